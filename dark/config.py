@@ -1,0 +1,72 @@
+"""Settings for the engine, LoRA adapters and learning, as validated dataclasses."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from .errors import InvalidRequestError
+
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = DEFAULT_LORA_TARGETS + ("lm_head",)
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise InvalidRequestError(msg)
+
+
+@dataclass
+class EngineConfig:
+    """How the engine uses the device. Zero means "choose from the device and the model"."""
+
+    device: str = ""                 # "cuda", "cpu", "cuda:1"; empty picks cuda when available
+    dtype: str = ""                  # "bfloat16", "float16", "float32"; empty: bf16 on cuda, fp32 on cpu
+    max_num_seqs: int = 64           # sequences decoded together in one step
+    max_num_batched_tokens: int = 4096  # tokens (prefill chunks + decodes) in one step
+    max_model_len: int = 0           # context limit; 0 takes the model's, capped at 32768
+    block_size: int = 16             # tokens per KV-cache block
+    num_kv_blocks: int = 0           # 0: sized from kv_cache_memory_fraction on cuda, 2048 blocks on cpu
+    kv_cache_memory_fraction: float = 0.5  # of the free device memory after loading, for the KV cache
+    max_adapter_slots: int = 8       # adapters resident on the device at once
+    max_lora_rank: int = 64
+    enable_prefix_caching: bool = True
+
+    def validate(self) -> "EngineConfig":
+        _check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        _check(self.max_num_batched_tokens >= 16, "max_num_batched_tokens must be >= 16")
+        _check(self.block_size in (8, 16, 32, 64), "block_size must be one of 8, 16, 32, 64")
+        _check(self.max_model_len >= 0, "max_model_len must be >= 0")
+        _check(self.num_kv_blocks >= 0, "num_kv_blocks must be >= 0")
+        _check(0.05 <= self.kv_cache_memory_fraction <= 0.95, "kv_cache_memory_fraction must be in [0.05, 0.95]")
+        _check(self.max_adapter_slots >= 1, "max_adapter_slots must be >= 1")
+        _check(self.max_lora_rank >= 1, "max_lora_rank must be >= 1")
+        _check(self.dtype in ("", "bfloat16", "float16", "float32"), f"dtype {self.dtype!r} is not one of bfloat16, float16, float32")
+        return self
+
+
+@dataclass
+class LoraConfig:
+    """Shape of a new adapter. Saved as PEFT's adapter_config.json."""
+
+    r: int = 16
+    alpha: float = 32.0
+    target_modules: tuple[str, ...] = DEFAULT_LORA_TARGETS
+
+    def validate(self, max_rank: int | None = None) -> "LoraConfig":
+        _check(isinstance(self.r, int) and self.r >= 1, "LoRA rank r must be a positive integer")
+        _check(max_rank is None or self.r <= max_rank, f"LoRA rank {self.r} exceeds the engine's max_lora_rank {max_rank}")
+        _check(self.alpha > 0, "LoRA alpha must be positive")
+        self.target_modules = tuple(self.target_modules)
+        bad = [m for m in self.target_modules if m not in LORA_TARGETS]
+        _check(not bad and self.target_modules, f"unknown LoRA target modules {bad}; choose from {list(LORA_TARGETS)}")
+        return self
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.r
+
+
+def settings_from_kwargs(cls, kwargs: dict):
+    """Pull the fields of `cls` out of kwargs (removing them) and build a validated instance."""
+    names = {f.name for f in fields(cls)}
+    picked = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+    return cls(**picked).validate()

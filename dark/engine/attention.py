@@ -1,0 +1,79 @@
+"""Attention over a paged KV cache (serving) and over a dense causal batch (training), in plain torch.
+
+The paged path gathers each sequence's cache blocks into a padded batch and runs one SDPA call per layer
+for all sequences, whatever mix of prefill chunks and decode tokens the step holds. GPU kernels can
+replace `attend` without touching the model.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class KVCache:
+    """Keys and values of every layer, in blocks of `block_size` tokens: [layers, 2, blocks, block, heads, dim]."""
+
+    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.data = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
+        return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+class PagedAttention:
+    """Metadata of one engine step, shared by all layers.
+
+    q_lens[b] new tokens of sequence b are computed at positions ctx_lens[b] - q_lens[b] .. ctx_lens[b] - 1;
+    its keys live in the blocks of block_tables[b].
+    """
+
+    def __init__(self, cache: KVCache, q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]],
+                 slot_mapping: torch.Tensor):
+        device = cache.data.device
+        self.cache = cache
+        self.slot_mapping = slot_mapping
+        bs = cache.block_size
+        nb = max(len(t) for t in block_tables)
+        self.block_tables = torch.tensor([t + [0] * (nb - len(t)) for t in block_tables], dtype=torch.long, device=device)
+        self.max_q = max(q_lens)
+        q_lens_t = torch.tensor(q_lens, device=device)
+        ctx_t = torch.tensor(ctx_lens, device=device)
+        # token i of the flat batch sits at (row b, column j) of the padded query batch
+        self.q_row = torch.repeat_interleave(torch.arange(len(q_lens), device=device), q_lens_t)
+        starts = torch.cumsum(q_lens_t, 0) - q_lens_t
+        self.q_col = torch.arange(int(q_lens_t.sum()), device=device) - starts[self.q_row]
+        qpos = (ctx_t - q_lens_t)[:, None] + torch.arange(self.max_q, device=device)[None, :]
+        kpos = torch.arange(nb * bs, device=device)
+        # padded query rows see key 0 at least, so softmax never meets an empty row
+        self.mask = ((kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < ctx_t[:, None, None]))[:, None]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kc, vc = self.cache.data[layer, 0], self.cache.data[layer, 1]
+        heads, dim = kc.shape[-2:]
+        kc.view(-1, heads, dim)[self.slot_mapping] = k
+        vc.view(-1, heads, dim)[self.slot_mapping] = v
+        b = self.block_tables.shape[0]
+        keys = kc[self.block_tables].view(b, -1, heads, dim).transpose(1, 2)
+        values = vc[self.block_tables].view(b, -1, heads, dim).transpose(1, 2)
+        qp = q.new_zeros(b, self.max_q, q.shape[1], dim)
+        qp[self.q_row, self.q_col] = q
+        out = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, values, attn_mask=self.mask,
+                                             enable_gqa=heads != q.shape[1])
+        return out.transpose(1, 2)[self.q_row, self.q_col]
+
+
+class DenseCausalAttention:
+    """A right-padded batch of whole sequences, [batch, length] flattened to tokens; no cache."""
+
+    def __init__(self, batch: int, length: int):
+        self.batch, self.length = batch, length
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, n = self.batch, self.length
+        q, k, v = (t.view(b, n, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
+        # right padding: a real token never attends to a later (padded) position under the causal mask
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        return out.transpose(1, 2).reshape(b * n, q.shape[1], q.shape[3])

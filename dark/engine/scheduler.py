@@ -1,0 +1,79 @@
+"""Continuous batching: each step mixes the running sequences' next tokens with new prompts' prefill chunks."""
+from __future__ import annotations
+
+from collections import deque
+
+from ..lora.manager import AdapterManager
+from .block_manager import BlockManager
+from .sequence import Sequence, Status
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, adapters: AdapterManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks, self.adapters = blocks, adapters
+        self.max_num_seqs, self.max_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """Pick (sequence, number of tokens to compute) pairs for one step within the token budget."""
+        budget, batch = self.max_tokens, []
+        for seq in list(self.running):
+            if seq not in self.running:  # preempted below to make room for an earlier sequence
+                continue
+            n = min(len(seq) - seq.num_computed, budget)
+            if n <= 0:
+                continue
+            while not self.blocks.ensure(seq, seq.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq in self.running:
+                batch.append((seq, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.adapter is not None:
+                slot = self.adapters.acquire(seq.adapter)
+                if slot is None:
+                    break  # every slot serves running sequences: wait for one to finish
+                seq.slot = slot
+            if not self.blocks.allocate(seq):
+                self._release_slot(seq)
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            n = min(len(seq) - seq.num_computed, budget)
+            batch.append((seq, n))
+            budget -= n
+        return batch
+
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.slot >= 0:
+            self.adapters.release(seq.slot)
+            seq.slot = -1
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Give a sequence's blocks back; it recomputes its tokens when it is scheduled again."""
+        self.running.remove(seq)
+        self.blocks.free_seq(seq)
+        self._release_slot(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free_seq(seq)
+        self._release_slot(seq)
+        seq.status = Status.FINISHED

@@ -1,0 +1,108 @@
+"""Adapter versions in host memory and which of them sit in device slots.
+
+A version, once registered, never changes, so a (name, version) pair found in a slot is always current
+for whoever asked for that pair. Publishing a version is one assignment under the lock; requests resolve
+their version when they are added and keep it, so a generation never sees a half-updated adapter.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from ..errors import UnknownAdapterError
+from .slots import AdapterSlots
+from .weights import AdapterWeights
+
+AdapterKey = tuple[str, int]
+
+
+class AdapterManager:
+    def __init__(self, slots: AdapterSlots):
+        self.slots = slots
+        self._versions: dict[str, dict[int, AdapterWeights]] = {}
+        self._current: dict[str, int] = {}
+        self._lock = threading.RLock()
+        self._slot_of: "OrderedDict[AdapterKey, int]" = OrderedDict()  # least recently used first
+        self._refs = [0] * slots.num_slots
+        self._free = list(range(slots.num_slots))
+
+    # --- registry (any thread) ---
+    def publish(self, name: str, version: int, weights: AdapterWeights, make_current: bool = True) -> None:
+        with self._lock:
+            self._versions.setdefault(name, {})[version] = weights
+            if make_current or name not in self._current:
+                self._current[name] = version
+
+    def set_current(self, name: str, version: int) -> None:
+        with self._lock:
+            if version not in self._versions.get(name, {}):
+                raise UnknownAdapterError(f"adapter {name!r} has no version {version}; versions: {self.versions(name)}")
+            self._current[name] = version
+
+    def remove(self, name: str) -> None:
+        with self._lock:
+            self._require(name)
+            del self._versions[name]
+            del self._current[name]
+            for key in [k for k in self._slot_of if k[0] == name and self._refs[self._slot_of[k]] == 0]:
+                self._free.append(self._slot_of.pop(key))
+
+    def resolve(self, name: str, version: int | None = None) -> AdapterKey:
+        with self._lock:
+            self._require(name)
+            version = self._current[name] if version is None else version
+            if version not in self._versions[name]:
+                raise UnknownAdapterError(f"adapter {name!r} has no version {version}; versions: {self.versions(name)}")
+            return name, version
+
+    def weights(self, name: str, version: int | None = None) -> AdapterWeights:
+        with self._lock:
+            name, version = self.resolve(name, version)
+            return self._versions[name][version]
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._versions)
+
+    def versions(self, name: str) -> list[int]:
+        with self._lock:
+            return sorted(self._versions.get(name, {}))
+
+    def current(self, name: str) -> int:
+        with self._lock:
+            self._require(name)
+            return self._current[name]
+
+    def _require(self, name: str) -> None:
+        if name not in self._versions:
+            known = ", ".join(sorted(self._versions)) or "none yet"
+            raise UnknownAdapterError(f"unknown adapter {name!r}; known adapters: {known}")
+
+    # --- slots (engine thread) ---
+    def acquire(self, key: AdapterKey) -> int | None:
+        """A slot holding this version, loading it if needed; None when every slot is busy."""
+        with self._lock:
+            if key in self._slot_of:
+                slot = self._slot_of[key]
+                self._slot_of.move_to_end(key)
+            else:
+                slot = self._take_slot()
+                if slot is None:
+                    return None
+                self.slots.load(slot, self._versions[key[0]][key[1]])
+                self._slot_of[key] = slot
+            self._refs[slot] += 1
+            return slot
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            self._refs[slot] -= 1
+
+    def _take_slot(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        for key, slot in self._slot_of.items():  # evict the least recently used idle slot
+            if self._refs[slot] == 0:
+                del self._slot_of[key]
+                return slot
+        return None

@@ -1,0 +1,111 @@
+"""One adapter version in host memory, and its PEFT-format folder (adapter_config.json + adapter_model.safetensors)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..config import LORA_TARGETS, LoraConfig
+from ..errors import InvalidRequestError
+
+Key = tuple[int, str]  # (layer index, module name); the LM head is (-1, "lm_head")
+
+_PEFT_NAME = re.compile(r"^base_model\.model\.(?:model\.layers\.(\d+)\.(?:self_attn|mlp)\.)?(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+
+
+@dataclass
+class AdapterWeights:
+    """LoRA factors in fp32: A [r, in] and B [out, r] per projection; the delta is scaling * B @ A."""
+
+    config: LoraConfig
+    tensors: dict[Key, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    scaling: float = 0.0
+
+    def __post_init__(self):
+        if not self.scaling:
+            self.scaling = self.config.scaling
+
+    @classmethod
+    def init(cls, config: LoraConfig, shapes: dict[str, tuple[int, int]], num_layers: int, seed: int = 0) -> "AdapterWeights":
+        """A fresh adapter: A like PEFT's default (Kaiming-uniform), B zero, so it starts as the base model."""
+        gen = torch.Generator().manual_seed(seed)
+        tensors = {}
+        for module in config.target_modules:
+            fan_in, fan_out = shapes[module]
+            bound = 1.0 / math.sqrt(fan_in)
+            for layer in ([-1] if module == "lm_head" else range(num_layers)):
+                a = (torch.rand(config.r, fan_in, generator=gen) * 2 - 1) * bound
+                tensors[(layer, module)] = (a, torch.zeros(fan_out, config.r))
+        return cls(config, tensors)
+
+    def clone(self) -> "AdapterWeights":
+        return AdapterWeights(self.config, {k: (a.clone(), b.clone()) for k, (a, b) in self.tensors.items()}, self.scaling)
+
+    def save(self, folder: Path, base_model: str = "") -> None:
+        """Write a PEFT-compatible folder atomically: a temporary folder beside it, then one rename."""
+        folder = Path(folder)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+        try:
+            state = {}
+            for (layer, module), (a, b) in self.tensors.items():
+                prefix = "base_model.model." + (
+                    "lm_head" if module == "lm_head" else f"model.layers.{layer}.{_block(module)}.{module}")
+                state[f"{prefix}.lora_A.weight"] = a.detach().float().contiguous().cpu()
+                state[f"{prefix}.lora_B.weight"] = b.detach().float().contiguous().cpu()
+            save_file(state, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+            cfg = {
+                "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+                "r": self.config.r, "lora_alpha": self.config.alpha, "target_modules": list(self.config.target_modules),
+                "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+                "use_dora": False, "inference_mode": True, "rank_pattern": {}, "alpha_pattern": {},
+                "modules_to_save": None, "init_lora_weights": True,
+            }
+            (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+            for f in tmp.iterdir():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+            if folder.exists():
+                shutil.rmtree(folder)
+            os.replace(tmp, folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    @classmethod
+    def load(cls, folder: Path) -> "AdapterWeights":
+        folder = Path(folder)
+        cfg_path, weights_path = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+        if not cfg_path.is_file() or not weights_path.is_file():
+            raise InvalidRequestError(
+                f"{folder} is not a PEFT LoRA folder: it needs adapter_config.json and adapter_model.safetensors")
+        raw = json.loads(cfg_path.read_text())
+        if raw.get("peft_type", "LORA") != "LORA":
+            raise InvalidRequestError(f"{folder} holds a {raw.get('peft_type')} adapter; only LoRA adapters are supported")
+        for unsupported in ("use_dora", "rank_pattern", "alpha_pattern", "modules_to_save"):
+            if raw.get(unsupported):
+                raise InvalidRequestError(f"{folder}: adapters with {unsupported} are not supported")
+        r, alpha = int(raw["r"]), float(raw.get("lora_alpha", raw["r"]))
+        scaling = alpha / math.sqrt(r) if raw.get("use_rslora") else alpha / r
+        pairs: dict[Key, dict[str, torch.Tensor]] = {}
+        for name, tensor in load_file(weights_path).items():
+            m = _PEFT_NAME.match(name)
+            if not m or m.group(2) not in LORA_TARGETS:
+                raise InvalidRequestError(f"{folder}: tensor {name!r} is not a LoRA factor of a supported projection")
+            layer = -1 if m.group(2) == "lm_head" else int(m.group(1))
+            pairs.setdefault((layer, m.group(2)), {})[m.group(3)] = tensor.float()
+        targets = sorted({module for _, module in pairs})
+        config = LoraConfig(r=r, alpha=alpha, target_modules=tuple(targets)).validate()
+        return cls(config, {k: (v["A"], v["B"]) for k, v in pairs.items()}, scaling)
+
+
+def _block(module: str) -> str:
+    return "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"

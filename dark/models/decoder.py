@@ -1,0 +1,275 @@
+"""One decoder for the Llama, Qwen2/2.5 and Qwen3 families, with per-family switches.
+
+Parameter names mirror Hugging Face's (`model.layers.0.self_attn.q_proj.weight`), so checkpoints load as
+they are. The forward pass works on a flat list of tokens from many sequences; how attention finds each
+token's context (paged KV cache for serving, a dense causal batch for training) and which LoRA weights
+apply to each token are passed in, so serving and training run the same modules on the same base weights.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ModelLoadError
+
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool       # Qwen2 always; Llama/Qwen3 when attention_bias
+    o_bias: bool         # Llama/Qwen3 when attention_bias
+    mlp_bias: bool
+    qk_norm: bool        # Qwen3: RMSNorm over each head's q and k
+    hf_config: object = None  # the transformers config, for rotary variants
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> "ModelConfig":
+        from transformers import AutoConfig
+
+        raw = json.loads((Path(folder) / "config.json").read_text())
+        family = raw.get("model_type", "")
+        if family not in SUPPORTED_FAMILIES:
+            raise ModelLoadError(
+                f"model type {family!r} in {folder}/config.json is not supported; dark runs {', '.join(SUPPORTED_FAMILIES)}"
+            )
+        hf = AutoConfig.from_pretrained(folder)
+        heads = hf.num_attention_heads
+        attention_bias = bool(getattr(hf, "attention_bias", False))
+        return cls(
+            family=family,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+            rms_norm_eps=hf.rms_norm_eps,
+            max_position_embeddings=getattr(hf, "max_position_embeddings", 4096),
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or attention_bias,
+            o_bias=family != "qwen2" and attention_bias,
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            qk_norm=family == "qwen3",
+            hf_config=hf,
+        )
+
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of every projection LoRA may target."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return {
+            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, self.intermediate_size), "up_proj": (h, self.intermediate_size),
+            "down_proj": (self.intermediate_size, h), "lm_head": (h, self.vocab_size),
+        }
+
+
+class Attention(Protocol):
+    """How a layer's queries find their keys: paged cache (serving) or a dense causal batch (training)."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+class LoRA(Protocol):
+    """Adds each token's adapter delta to a projection's output."""
+
+    def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
+
+    def rows(self, index: torch.Tensor) -> "LoRA": ...
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, layer: int, name: str):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.layer, self.name = layer, name
+
+    def forward(self, x: torch.Tensor, lora: LoRA | None) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return y if lora is None else lora.apply(self.layer, self.name, x, y)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hf = cfg.hf_config
+        params = getattr(hf, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+            dim = int(cfg.head_dim * params.get("partial_rotary_factor", 1.0))
+            inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+            scale = 1.0
+        else:  # llama3, yarn, linear, ...: transformers knows the formulas
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.scale = float(scale)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.layer, self.nh, self.nkv, self.d = layer, cfg.num_heads, cfg.num_kv_heads, d
+        self.q_proj = Linear(h, cfg.num_heads * d, cfg.qkv_bias, layer, "q_proj")
+        self.k_proj = Linear(h, cfg.num_kv_heads * d, cfg.qkv_bias, layer, "k_proj")
+        self.v_proj = Linear(h, cfg.num_kv_heads * d, cfg.qkv_bias, layer, "v_proj")
+        self.o_proj = Linear(cfg.num_heads * d, h, cfg.o_bias, layer, "o_proj")
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, attn: Attention, lora: LoRA | None):
+        t = x.shape[0]
+        q = self.q_proj(x, lora).view(t, self.nh, self.d)
+        k = self.k_proj(x, lora).view(t, self.nkv, self.d)
+        v = self.v_proj(x, lora).view(t, self.nkv, self.d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        out = attn.attend(self.layer, q, k, v)
+        return self.o_proj(out.reshape(t, self.nh * self.d), lora)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        h, i, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = Linear(h, i, b, layer, "gate_proj")
+        self.up_proj = Linear(h, i, b, layer, "up_proj")
+        self.down_proj = Linear(i, h, b, layer, "down_proj")
+
+    def forward(self, x, lora: LoRA | None):
+        return self.down_proj(F.silu(self.gate_proj(x, lora)) * self.up_proj(x, lora), lora)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = SelfAttention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, layer)
+
+    def forward(self, x, cos, sin, attn, lora):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.rotary = Rotary(cfg)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, -1, "lm_head")
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def hidden_states(self, input_ids, positions, attn: Attention, lora: LoRA | None = None) -> torch.Tensor:
+        """Final-norm hidden states of a flat batch of tokens ([T] ids and positions) -> [T, hidden]."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attn, lora)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor, lora: LoRA | None = None) -> torch.Tensor:
+        return self.lm_head(hidden, lora).float()
+
+    def load_weights(self, tensors, dtype: torch.dtype, device: torch.device) -> None:
+        """Fill the parameters from (name, tensor) pairs, checking that every parameter got a value.
+
+        The model may be built on the meta device: each parameter is replaced, never copied into, so a 7B
+        model never exists twice in host memory.
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        seen = set()
+        for name, tensor in tensors:
+            if name not in params:
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
+                raise ModelLoadError(f"checkpoint tensor {name!r} has no place in a {self.config.family} model")
+            if tuple(params[name].shape) != tuple(tensor.shape):
+                raise ModelLoadError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}"
+                )
+            owner, _, attr = name.rpartition(".")
+            value = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
+            setattr(self.get_submodule(owner), attr, value)
+            seen.add(name)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+            seen.add("lm_head.weight")
+        missing = [n for n in params if n not in seen]
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+        self.rotary.to(device)
+
+
+def load_model(folder: Path, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """Build the decoder for the folder's config and load its safetensors weights onto the device."""
+    from .loader import iter_safetensors
+
+    cfg = ModelConfig.from_folder(folder)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model.rotary = Rotary(cfg)  # a computed buffer, not a checkpoint tensor: build it for real
+    model.load_weights(iter_safetensors(folder), dtype, device)
+    return model.eval()

@@ -1,0 +1,60 @@
+"""Shared fixtures: the embedded SmolLM2 (converted once per session) and tiny random models of each family."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def pytest_configure(config):
+    # one conversion of the embedded model per test session, outside the user's own cache
+    if "DARK_HOME" not in os.environ:
+        os.environ["DARK_HOME"] = str(Path(config.rootpath) / ".data" / "test-home")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> Path:
+    from dark.models.loader import resolve_model
+
+    return resolve_model(None, "cpu")
+
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=49152, max_position_embeddings=512)
+
+
+def make_tiny(family: str, folder: Path, tokenizer_from: Path, seed: int = 0, **overrides) -> Path:
+    """Save a tiny random model of a family, with the SmolLM2 tokenizer, as a Hugging Face folder."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+           "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[family]
+    extra = {"head_dim": 16} if family == "qwen3" else {}
+    tok = AutoTokenizer.from_pretrained(tokenizer_from)
+    cfg = cls[0](**{**TINY, **extra, **overrides}, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                 pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    model = cls[1](cfg)
+    with torch.no_grad():  # random norms and biases, so a switch that is wired wrong shows up
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, smollm_path) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        "llama": make_tiny("llama", root / "llama", smollm_path, tie_word_embeddings=True),
+        "qwen2": make_tiny("qwen2", root / "qwen2", smollm_path, tie_word_embeddings=False),
+        "qwen3": make_tiny("qwen3", root / "qwen3", smollm_path, tie_word_embeddings=False),
+    }

@@ -1,0 +1,106 @@
+"""The engine against Hugging Face transformers on the same weights: logits, greedy tokens, ragged batches."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dark import OnlineLLM
+from dark.engine.attention import DenseCausalAttention
+
+PROMPTS = [
+    "hello there",
+    "What is the capital of France? Tell me more about its history, please.",
+    "Write a haiku about the sea and the wind and a small boat far from home.",
+    "1 2 3 4 5 6 7",
+]
+STEPS = 32
+
+
+def hf_reference(hf, ids: list[int], steps: int = STEPS) -> tuple[list[int], list[float]]:
+    """Greedy tokens and each chosen token's log-probability from transformers."""
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=steps, do_sample=False, eos_token_id=None,
+                      pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(ids):].tolist()
+    logprobs = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(out.logits, tokens)]
+    return tokens, logprobs
+
+
+def run_ragged(llm: OnlineLLM, prompts: list[str], steps: int = STEPS, join_after: int = 5) -> list:
+    """Start the first request; each later one joins once the previous has produced `join_after` tokens."""
+    results, done = [None] * len(prompts), [threading.Event() for _ in prompts]
+
+    def start(i):
+        seen = [0]
+
+        def on_output(out):
+            seen[0] += len(out.token_ids)
+            if seen[0] >= join_after and i + 1 < len(prompts) and results[i + 1] is None and not started[i + 1]:
+                started[i + 1] = True
+                start(i + 1)
+            if out.finished:
+                results[i] = out
+                done[i].set()
+        llm.submit(prompts[i], on_output, max_tokens=steps, ignore_eos=True, logprobs=True)
+
+    started = [True] + [False] * (len(prompts) - 1)
+    start(0)
+    for ev in done:
+        assert ev.wait(120), "a request never finished"
+    return results
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def family_pair(request, tiny_models):
+    path = tiny_models[request.param]
+    # a small block size and token budget, so prefill runs in chunks across blocks
+    llm = OnlineLLM(str(path), block_size=8, max_num_batched_tokens=24, max_num_seqs=4)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    yield request.param, llm, hf
+    llm.close()
+
+
+def test_full_logits_match_hf(family_pair):
+    family, llm, hf = family_pair
+    ids = llm.encode(PROMPTS[1])
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+        hidden = llm.model.hidden_states(torch.tensor(ids), torch.arange(len(ids)), DenseCausalAttention(1, len(ids)))
+        ours = llm.model.logits(hidden)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_ragged_batch_matches_hf(family_pair):
+    family, llm, hf = family_pair
+    outs = run_ragged(llm, PROMPTS)
+    for prompt, out in zip(PROMPTS, outs):
+        tokens, logprobs = hf_reference(hf, llm.encode(prompt))
+        assert out.output_ids == tokens, f"{family}: greedy tokens differ for {prompt!r}"
+        assert out.finish_reason == "length" and out.completion_tokens == STEPS
+        torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(logprobs), atol=1e-4, rtol=1e-4)
+
+
+def test_preemption_keeps_outputs_exact(tiny_models):
+    """A cache too small for all requests at once: sequences are preempted, recomputed, and still exact."""
+    path = tiny_models["qwen2"]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with OnlineLLM(str(path), block_size=8, num_kv_blocks=24, max_num_seqs=4, enable_prefix_caching=False) as llm:
+        outs = llm.complete(PROMPTS, max_tokens=STEPS, ignore_eos=True)
+        for prompt, out in zip(PROMPTS, outs):
+            assert out.token_ids == hf_reference(hf, llm.encode(prompt))[0]
+        assert llm.engine.blocks.num_free == 24
+
+
+def test_smollm_matches_hf_and_names_paris(smollm_path):
+    hf = AutoModelForCausalLM.from_pretrained(smollm_path, dtype=torch.float32).eval()
+    with OnlineLLM() as llm:
+        assert llm.model_path == smollm_path
+        prompts = ["What is the capital of France?", "Name three colours."]
+        outs = llm.complete(prompts, max_tokens=24, ignore_eos=True, logprobs=True)
+        for prompt, out in zip(prompts, outs):
+            tokens, logprobs = hf_reference(hf, llm.encode(prompt), 24)
+            assert out.token_ids == tokens
+            torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(logprobs), atol=2e-3, rtol=1e-3)
+        assert "Paris" in llm.generate("What is the capital of France?")
