@@ -24,6 +24,7 @@ class BlockManager:
         self.ref = [0] * num_blocks
         self.hash_of = [None] * num_blocks
         self.by_hash: dict[int, int] = {}
+        self.cached_tokens = 0  # prompt tokens whose keys and values came from the prefix cache
         # free blocks in the order they should be reused: never-hashed first, then least recently freed
         self.free: "OrderedDict[int, None]" = OrderedDict((i, None) for i in range(num_blocks))
 
@@ -67,6 +68,7 @@ class BlockManager:
         seq.num_hashed_blocks, seq.prefix_hash = len(cached), prev
         # at least the last token is computed again: its logits are needed to sample
         seq.num_computed = min(len(cached) * bs, len(tokens) - 1)
+        self.cached_tokens += seq.num_computed
         return True
 
     def ensure(self, seq: Sequence, num_tokens: int) -> bool:

@@ -97,6 +97,8 @@ class AdapterWeights:
         scaling = alpha / math.sqrt(r) if raw.get("use_rslora") else alpha / r
         pairs: dict[Key, dict[str, torch.Tensor]] = {}
         for name, tensor in load_file(weights_path).items():
+            if ".base_layer." in name:
+                continue  # PEFT saves copies of base weights beside LoRA factors of the head; the engine keeps its own
             m = _PEFT_NAME.match(name)
             if not m or m.group(2) not in LORA_TARGETS:
                 raise InvalidRequestError(f"{folder}: tensor {name!r} is not a LoRA factor of a supported projection")

@@ -1,0 +1,116 @@
+"""Multi-adapter inference against PEFT: each adapter alone, and a batch mixing adapters and none."""
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from dark import OnlineLLM, UnknownAdapterError
+from dark.lora.weights import AdapterWeights
+from test_engine import hf_reference
+
+PROMPTS = ["Tell me a story about a fox.", "What is two plus two?", "Translate 'cat' into French."]
+
+
+def make_peft_adapter(base_path, folder, seed, targets, r=8):
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    # init_lora_weights=False draws B at random too, so the adapter really changes the output
+    model = get_peft_model(base, PeftLoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(4.0)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_models, tmp_path_factory):
+    base = tiny_models["qwen2"]
+    root = tmp_path_factory.mktemp("adapters")
+    a = make_peft_adapter(base, root / "a", 1, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    b = make_peft_adapter(base, root / "b", 2, ["q_proj", "v_proj", "down_proj", "lm_head"], r=4)
+    llm = OnlineLLM(str(base), block_size=8, max_num_seqs=8)
+    assert llm.load_adapter("a", a) == 1
+    assert llm.load_adapter("b", b) == 1
+    yield base, {"a": a, "b": b}, llm
+    llm.close()
+
+
+def peft_reference(base, folder, ids, steps=24):
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), folder).eval()
+    return hf_reference(model, ids, steps)
+
+
+def test_each_adapter_matches_peft(setup):
+    base, folders, llm = setup
+    for name, folder in folders.items():
+        for prompt in PROMPTS[:2]:
+            tokens, logprobs = peft_reference(base, folder, llm.encode(prompt))
+            out = llm.complete(prompt, adapter=name, max_tokens=24, ignore_eos=True, logprobs=True)
+            assert out.token_ids == tokens, f"adapter {name}: tokens differ from PEFT"
+            assert out.adapter == (name, 1)
+            torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(logprobs), atol=1e-4, rtol=1e-4)
+
+
+def test_adapter_changes_output(setup):
+    _, _, llm = setup
+    base_out = llm.complete(PROMPTS[0], max_tokens=16, ignore_eos=True).token_ids
+    assert llm.complete(PROMPTS[0], adapter="a", max_tokens=16, ignore_eos=True).token_ids != base_out
+
+
+def test_mixed_batch_equals_each_alone(setup):
+    _, _, llm = setup
+    alone = {}
+    for adapter in ("a", "b", None):
+        for prompt in PROMPTS:
+            alone[(adapter, prompt)] = llm.complete(prompt, adapter=adapter, max_tokens=20, ignore_eos=True, logprobs=True)
+    results = {}
+    import threading
+    done = []
+    lock = threading.Lock()
+
+    def collect(key):
+        def cb(out):
+            if out.finished:
+                with lock:
+                    results[key] = out
+                    done.append(key)
+        return cb
+
+    # all nine requests in flight together, so steps hold tokens of a, b and no adapter at once
+    for adapter in ("a", "b", None):
+        for prompt in PROMPTS:
+            llm.submit(prompt, collect((adapter, prompt)), adapter=adapter, max_tokens=20, ignore_eos=True, logprobs=True)
+    import time
+    deadline = time.time() + 120
+    while len(done) < 9 and time.time() < deadline:
+        time.sleep(0.01)
+    assert len(done) == 9
+    for key, out in results.items():
+        assert out.output_ids == alone[key].token_ids, f"{key} differs in a mixed batch"
+        torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(alone[key].logprobs), atol=1e-4, rtol=1e-4)
+
+
+def test_saved_adapter_round_trips(setup, tmp_path):
+    _, folders, llm = setup
+    w = AdapterWeights.load(folders["b"])
+    w.save(tmp_path / "copy")
+    assert llm.load_adapter("b", tmp_path / "copy") == 2
+    assert llm.adapters() == [{"name": "a", "version": 1, "versions": [1]}, {"name": "b", "version": 2, "versions": [1, 2]}]
+    v2 = llm.complete(PROMPTS[1], adapter="b", max_tokens=12, ignore_eos=True)
+    assert v2.adapter == ("b", 2)
+    llm.engine.adapters.set_current("b", 1)
+    v1 = llm.complete(PROMPTS[1], adapter="b", max_tokens=12, ignore_eos=True)
+    assert v1.adapter == ("b", 1) and v1.token_ids == v2.token_ids
+
+
+def test_unknown_adapter_is_a_clear_error(setup):
+    _, _, llm = setup
+    with pytest.raises(UnknownAdapterError, match="unknown adapter 'nope'.*known adapters: a, b"):
+        llm.generate("hi", adapter="nope")
+    with pytest.raises(Exception, match="not a PEFT LoRA folder"):
+        llm.load_adapter("c", "/nonexistent")
