@@ -51,10 +51,20 @@ def make_tiny(family: str, folder: Path, tokenizer_from: Path, seed: int = 0, **
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory, smollm_path) -> dict[str, Path]:
+def tokenizer_source(request) -> Path:
+    """Where the tiny models take their tokenizer: $DARK_TEST_TOKENIZER (a folder of SmolLM2 tokenizer files,
+    for machines without the embedded GGUF, such as the GPU machine), else the converted embedded SmolLM2."""
+    override = os.environ.get("DARK_TEST_TOKENIZER")
+    if override:
+        return Path(override).expanduser().resolve()
+    return request.getfixturevalue("smollm_path")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, tokenizer_source) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
     return {
-        "llama": make_tiny("llama", root / "llama", smollm_path, tie_word_embeddings=True),
-        "qwen2": make_tiny("qwen2", root / "qwen2", smollm_path, tie_word_embeddings=False),
-        "qwen3": make_tiny("qwen3", root / "qwen3", smollm_path, tie_word_embeddings=False),
+        "llama": make_tiny("llama", root / "llama", tokenizer_source, tie_word_embeddings=True),
+        "qwen2": make_tiny("qwen2", root / "qwen2", tokenizer_source, tie_word_embeddings=False),
+        "qwen3": make_tiny("qwen3", root / "qwen3", tokenizer_source, tie_word_embeddings=False),
     }

@@ -1,0 +1,157 @@
+"""The engine against Hugging Face transformers on CUDA: the checks of test_engine.py, plus bf16 and LoRA.
+
+Run on the GPU machine; the tiny models need only a tokenizer folder there:
+    DARK_TEST_TOKENIZER=.data/tok python -m pytest -q -m gpu tests/test_engine_gpu.py
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dark import OnlineLLM
+from dark.engine.attention import DenseCausalAttention
+from test_engine import PROMPTS, STEPS, run_ragged
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+CUDA = "cuda"
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def hf_reference(hf, ids: list[int], steps: int = STEPS) -> tuple[list[int], list[float]]:
+    """test_engine.hf_reference, with the inputs on the model's device."""
+    out = hf.generate(torch.tensor([ids], device=hf.device), max_new_tokens=steps, do_sample=False, eos_token_id=None,
+                      pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(ids):].tolist()
+    logprobs = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(out.logits, tokens)]
+    return tokens, logprobs
+
+
+def load_hf(path, dtype):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(CUDA).eval()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def family_pair(request, tiny_models):
+    path = tiny_models[request.param]
+    llm = OnlineLLM(str(path), device=CUDA, dtype="float32", block_size=8, max_num_batched_tokens=24, max_num_seqs=4)
+    hf = load_hf(path, torch.float32)
+    yield request.param, llm, hf
+    llm.close()
+
+
+def test_engine_runs_on_cuda(family_pair):
+    _, llm, _ = family_pair
+    assert llm.engine.device.type == "cuda" and llm.engine.cache.data.is_cuda
+    assert all(p.is_cuda for p in llm.model.parameters())
+
+
+def test_full_logits_match_hf(family_pair):
+    family, llm, hf = family_pair
+    ids = llm.encode(PROMPTS[1])
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids], device=CUDA)).logits[0].float()
+        hidden = llm.model.hidden_states(torch.tensor(ids, device=CUDA), torch.arange(len(ids), device=CUDA),
+                                         DenseCausalAttention(1, len(ids)))
+        ours = llm.model.logits(hidden)
+    torch.testing.assert_close(ours, ref, atol=1e-3, rtol=1e-3)
+
+
+def test_greedy_ragged_batch_matches_hf(family_pair):
+    family, llm, hf = family_pair
+    outs = run_ragged(llm, PROMPTS)
+    for prompt, out in zip(PROMPTS, outs):
+        tokens, logprobs = hf_reference(hf, llm.encode(prompt))
+        assert out.output_ids == tokens, f"{family}: greedy tokens differ for {prompt!r}"
+        assert out.finish_reason == "length" and out.completion_tokens == STEPS
+        torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(logprobs), atol=1e-3, rtol=1e-3)
+
+
+def test_preemption_keeps_outputs_exact(tiny_models):
+    path = tiny_models["qwen2"]
+    hf = load_hf(path, torch.float32)
+    with OnlineLLM(str(path), device=CUDA, dtype="float32", block_size=8, num_kv_blocks=24, max_num_seqs=4,
+                   enable_prefix_caching=False) as llm:
+        outs = llm.complete(PROMPTS, max_tokens=STEPS, ignore_eos=True)
+        for prompt, out in zip(PROMPTS, outs):
+            assert out.token_ids == hf_reference(hf, llm.encode(prompt))[0]
+        assert llm.engine.blocks.num_free == 24
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_bf16_matches_hf_bf16(tiny_models, family):
+    """bf16 rounds differently in each implementation: log-probs agree within bf16 tolerance, and greedy
+    tokens agree until HF's own top two are closer than that tolerance (a tie either side may break)."""
+    path = tiny_models[family]
+    hf = load_hf(path, torch.bfloat16)
+    with OnlineLLM(str(path), device=CUDA, dtype="bfloat16", block_size=8, max_num_seqs=4) as llm:
+        assert llm.model.lm_head.weight.dtype == torch.bfloat16
+        ids = llm.encode(PROMPTS[2])
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids], device=CUDA)).logits[0, -1].float().log_softmax(-1)
+            hidden = llm.model.hidden_states(torch.tensor(ids, device=CUDA), torch.arange(len(ids), device=CUDA),
+                                             DenseCausalAttention(1, len(ids)))
+            ours = llm.model.logits(hidden)[-1].log_softmax(-1)
+        torch.testing.assert_close(ours, ref, atol=5e-2, rtol=0)
+
+        steps = 8
+        out = llm.complete(PROMPTS[2], max_tokens=steps, ignore_eos=True, logprobs=True)
+        gen = hf.generate(torch.tensor([ids], device=CUDA), max_new_tokens=steps, do_sample=False, eos_token_id=None,
+                          pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        tokens = gen.sequences[0, len(ids):].tolist()
+        for i, (logits, t) in enumerate(zip(gen.logits, tokens)):
+            top2 = logits[0].float().topk(2).values
+            if out.token_ids[i] != t:
+                assert float(top2[0] - top2[1]) < 5e-2, f"{family}: greedy token {i} differs without a near tie"
+                break
+            lp = float(logits[0].float().log_softmax(-1)[t])
+            assert abs(out.logprobs[i] - lp) < 5e-2, f"{family}: log-prob of token {i}: {out.logprobs[i]} vs {lp}"
+
+
+def test_mixed_adapters_match_peft_on_cuda(tiny_models, tmp_path):
+    """Two PEFT adapters and none, in one batch on CUDA, each equal to PEFT alone (fp32)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    base = tiny_models["qwen2"]
+    folders = {}
+    for name, seed, targets in (("a", 1, LORA_TARGETS), ("b", 2, ["q_proj", "v_proj", "down_proj", "lm_head"])):
+        torch.manual_seed(seed)
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                               LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.mul_(4.0)
+        model.save_pretrained(tmp_path / name)
+        folders[name] = tmp_path / name
+    with OnlineLLM(str(base), device=CUDA, dtype="float32", block_size=8, max_num_seqs=8) as llm:
+        for name, folder in folders.items():
+            llm.load_adapter(name, folder)
+        jobs = [(a, p) for a in ("a", "b", None) for p in PROMPTS[:2]]
+        done, results = threading.Event(), {}
+
+        def collect(key):
+            def cb(out):
+                if out.finished:
+                    results[key] = out
+                    if len(results) == len(jobs):
+                        done.set()
+            return cb
+
+        for adapter, prompt in jobs:
+            llm.submit(prompt, collect((adapter, prompt)), adapter=adapter, max_tokens=16, ignore_eos=True, logprobs=True)
+        assert done.wait(120)
+        for adapter, prompt in jobs:
+            ref = load_hf(base, torch.float32)
+            if adapter is not None:
+                ref = PeftModel.from_pretrained(ref, folders[adapter]).eval()
+            tokens, logprobs = hf_reference(ref, llm.encode(prompt), 16)
+            out = results[(adapter, prompt)]
+            assert out.output_ids == tokens, f"adapter {adapter}: tokens differ from PEFT for {prompt!r}"
+            torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(logprobs), atol=1e-3, rtol=1e-3)
