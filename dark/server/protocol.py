@@ -111,7 +111,7 @@ class Rollback(ClientMessage):
 
     type: Literal["rollback"]
     adapter: Name
-    version: int | None = Field(None, ge=1)
+    version: int | None = Field(None, ge=0)
 
 
 class DeleteAdapter(ClientMessage):

@@ -44,7 +44,7 @@ class CreateAdapterRequest(BaseModel):
 
 
 class RollbackRequest(BaseModel):
-    version: int | None = Field(None, ge=1, description="none: undo the last published version")
+    version: int | None = Field(None, ge=0, description="none: undo the last published version")
 
 
 @public.get("/health")

@@ -49,8 +49,12 @@ class ServerSettings(BaseModel):
 
     @field_validator("api_key", mode="before")
     @classmethod
-    def _empty_key_is_none(cls, v):
-        return None if v is None or (isinstance(v, str) and not v.strip()) else v
+    def _check_key(cls, v):
+        if v is None or (isinstance(v, str) and not v.strip()):
+            return None
+        if isinstance(v, str) and not (v.isascii() and v.isprintable() and v == v.strip()):
+            raise ValueError("the API key must be printable ASCII without surrounding spaces (HTTP headers carry it)")
+        return v
 
     @field_validator("model", mode="before")
     @classmethod

@@ -50,3 +50,114 @@ class ServerThread:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class WsSession:
+    """A websocket client that sorts frames by request id: `await s.request({...})` returns the frames of one
+    request up to its last (done, error, a final job state, or the one answer of a simple request). Several
+    tasks may wait on one session at once."""
+
+    LAST = {"done", "error", "adapters", "conversations", "history", "ack", "pong"}
+    LAST_JOB = {"done", "failed", "cancelled"}
+
+    def __init__(self, ws):
+        import asyncio
+
+        self.ws = ws
+        self.buffer: list[dict] = []
+        self.hello: dict | None = None
+        self.closed: BaseException | None = None
+        self._n = 0
+        self._arrived = asyncio.Condition()
+        self._reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        import json
+
+        try:
+            async for raw in self.ws:
+                async with self._arrived:
+                    self.buffer.append(json.loads(raw))
+                    self._arrived.notify_all()
+        except Exception as e:  # closed: waiters see it
+            self.closed = e
+        finally:
+            self.closed = self.closed or ConnectionError("the websocket closed")
+            async with self._arrived:
+                self._arrived.notify_all()
+
+    @classmethod
+    async def open(cls, url: str, **connect_args) -> "WsSession":
+        from websockets.asyncio.client import connect
+
+        session = cls(await connect(url, max_size=None, **connect_args))
+        session.hello = await session.next(lambda f: f["type"] == "hello")
+        return session
+
+    async def close(self) -> None:
+        await self.ws.close()
+        await self._reader
+
+    async def __aenter__(self) -> "WsSession":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def new_id(self) -> str:
+        self._n += 1
+        return f"t{self._n}"
+
+    async def send(self, message: dict | str | bytes) -> None:
+        import json
+
+        await self.ws.send(message if isinstance(message, (str, bytes)) else json.dumps(message))
+
+    async def next(self, match=lambda f: True, timeout: float = 120.0) -> dict:
+        """The first frame (buffered or new) that matches; others stay buffered."""
+        import asyncio
+
+        def pick():
+            for i, frame in enumerate(self.buffer):
+                if match(frame):
+                    return self.buffer.pop(i)
+            if self.closed is not None:
+                raise ConnectionError(f"the websocket closed while waiting: {self.closed}")
+            return None
+
+        async with self._arrived:
+            return await asyncio.wait_for(self._arrived.wait_for(pick), timeout)
+
+    def is_last(self, frame: dict) -> bool:
+        if frame["type"] == "job":
+            return frame["state"] in self.LAST_JOB
+        return frame["type"] in self.LAST
+
+    async def frames(self, request_id, timeout: float = 120.0) -> list[dict]:
+        """Every frame of one request, through its last."""
+        out = []
+        while True:
+            frame = await self.next(lambda f: f.get("id") == request_id, timeout)
+            out.append(frame)
+            if self.is_last(frame):
+                return out
+
+    async def request(self, message: dict, timeout: float = 120.0) -> list[dict]:
+        message = {"id": self.new_id(), **message}
+        await self.send(message)
+        return await self.frames(message["id"], timeout)
+
+
+def quick_learning() -> dict:
+    """OnlineLLM keyword arguments for server tests that need a learn job to finish in seconds on a CPU: no
+    anchor (KL) term and no prompt rewordings. Tests of the learner itself use its defaults."""
+    import inspect
+
+    from ..llm import OnlineLLM
+
+    if "learn" not in inspect.signature(OnlineLLM.__init__).parameters:
+        return {}
+    from .. import config
+
+    fields = getattr(getattr(config, "LearnConfig", None), "__dataclass_fields__", {})
+    return {"learn": {k: v for k, v in {"kl_weight": 0.0, "augment": False}.items() if k in fields}}
