@@ -39,6 +39,27 @@ function button(text, onClick, className = "button subtle small", title) {
   return b;
 }
 
+const SVG_NS = "http://www.w3.org/2000/svg";
+const THUMB = "M14 9V5a3 3 0 0 0-3-3l-4 9v11h11.28a2 2 0 0 0 2-1.7l1.38-9a2 2 0 0 0-2-2.3zM7 22H4a2 2 0 0 1-2-2v-7a2 2 0 0 1 2-2h3";
+
+// a thumb icon drawn as SVG, so it shows without an emoji font
+function thumb(down) {
+  const svg = document.createElementNS(SVG_NS, "svg");
+  svg.setAttribute("viewBox", "0 0 24 24");
+  svg.setAttribute("width", "15");
+  svg.setAttribute("height", "15");
+  svg.setAttribute("aria-hidden", "true");
+  const path = document.createElementNS(SVG_NS, "path");
+  path.setAttribute("d", THUMB);
+  path.setAttribute("fill", "none");
+  path.setAttribute("stroke", "currentColor");
+  path.setAttribute("stroke-width", "2");
+  path.setAttribute("stroke-linejoin", "round");
+  if (down) path.setAttribute("transform", "rotate(180 12 12)");
+  svg.append(path);
+  return svg;
+}
+
 let toastTimer = null;
 function toast(message, kind = "error") {
   const t = $("toast");
@@ -142,8 +163,10 @@ class MessageView {
     this.actions.replaceChildren();
     if (this.data.role !== "assistant" || this.pending || !this.data.id) return;
     const rating = this.data.feedback;
-    const up = button("👍", () => this.rate(1), `button subtle small${rating === 1 ? " pressed" : ""}`, "Good reply");
-    const down = button("👎", () => this.rate(-1), `button subtle small${rating === -1 ? " pressed" : ""}`, "Bad reply");
+    const up = button("", () => this.rate(1), `button subtle small thumb-up${rating === 1 ? " pressed" : ""}`, "Good reply");
+    const down = button("", () => this.rate(-1), `button subtle small thumb-down${rating === -1 ? " pressed" : ""}`, "Bad reply");
+    up.append(thumb(false));
+    down.append(thumb(true));
     this.actions.append(
       button("✎ Correct", () => this.edit(), "button subtle small correct", "Correct this reply and teach the skill"),
       button("↻ Regenerate", () => regenerate(this), "button subtle small regenerate", "Answer again"),
@@ -259,6 +282,10 @@ class JobCard {
       const badge = el("span", `badge ${frame.verified ? "ok" : "warn"}`, frame.verified ? "verified ✓" : "not verified");
       badge.title = frame.verified ? "the skill now gives the corrected answer" : "training ended but the answer did not match exactly";
       status.append(badge);
+      const r = frame.report;
+      if (r && Number.isFinite(r.steps)) {
+        status.append(` ${r.steps} step${r.steps === 1 ? "" : "s"}${Number.isFinite(r.seconds) ? ` in ${r.seconds.toFixed(1)} s` : ""}`);
+      }
     } else if (this.state === "failed" || this.state === "cancelled") {
       title.textContent = `Could not learn into ${this.adapter}`;
       status.textContent = frame.error || this.state;
