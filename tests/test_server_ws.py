@@ -235,3 +235,16 @@ def test_without_learning_api_corrections_fail_cleanly(llm):
                 (history,) = await s.request({"type": "history", "conversation_id": done["conversation_id"]})
                 assert history["messages"][-1]["content"] == done["text"]  # untouched
         run(go())
+
+
+def test_the_example_client_script(server, llm):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "examples" / "ws_client.py"
+    out = subprocess.run([sys.executable, str(script), QUESTION, "--url", server.ws_url, "--max-tokens", "20"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == llm.generate(QUESTION, max_tokens=20)
+    assert "serving" in out.stderr
