@@ -201,3 +201,23 @@ def test_settings_from_environment():
         ServerSettings(api_key="caf\u00e9")
     with pytest.raises(ValueError, match="port"):
         ServerSettings.from_env({"DARK_PORT": "seventy"})
+
+
+def test_origin_rules():
+    from types import SimpleNamespace
+
+    from dark.server.security import origin_problem
+
+    def check(origin, host, allowed=()):
+        headers = {"host": host} if origin is None else {"host": host, "origin": origin}
+        return origin_problem(SimpleNamespace(headers=headers), ServerSettings(allowed_origins=list(allowed))) is None
+
+    assert check(None, "127.0.0.1:8000")                                  # scripts send no Origin
+    assert check("http://127.0.0.1:8000", "127.0.0.1:8000")               # the server's own page
+    assert not check("http://127.0.0.1:9999", "127.0.0.1:8000")           # another port is another origin
+    assert check("https://pod-8000.proxy.runpod.net", "pod-8000.proxy.runpod.net")  # behind a TLS proxy
+    assert not check("https://evil.example", "pod-8000.proxy.runpod.net")
+    assert check("https://app.example", "127.0.0.1:8000", ["https://app.example"])
+    assert check("http://127.0.0.1:8000", "127.0.0.1:8000", ["https://app.example"])  # own origin stays allowed
+    assert check("https://anything.example", "127.0.0.1:8000", ["*"])
+    assert not check("null", "127.0.0.1:8000")                            # sandboxed frames, file:// pages

@@ -103,7 +103,7 @@ def test_adapters_over_rest_websocket_and_openai(life, corrected):
     http = httpx.Client(base_url=url, timeout=300)
     learned = http.post("/api/learn", json={"adapter": "greeter", "wait": True, "examples": [
         {"prompt": "Greet me.", "response": "Ahoy, traveller!"}]})
-    assert learned.status_code == 202, learned.text
+    assert learned.status_code == 200, learned.text
     report = learned.json()["report"]
     assert report["verified"] is True and report["version"] >= 1
 

@@ -48,8 +48,8 @@ def create_app(llm, settings: ServerSettings | None = None) -> FastAPI:
     def published(adapter: str) -> None:  # a learner's thread: hop onto the loop
         if state.loop is not None:
             try:
-                state.loop.call_soon_threadsafe(ws.broadcast_adapters, state)
-            except RuntimeError:
+                asyncio.run_coroutine_threadsafe(ws.broadcast_adapters(state), state.loop)
+            except RuntimeError:  # the loop has closed: nobody to tell
                 pass
     hub.on_published = published
 

@@ -87,7 +87,7 @@ class ChatService:
     async def answer(self, turn: Turn, adapter: str | None, args: dict, gen: Generation,
                      on_token: Callable[[str], None], source: str = "ws") -> Done:
         """Generate the reply to a prepared turn, calling on_token with each piece, and store it."""
-        engine_adapter, reported = self.state.resolve_adapter(adapter)
+        engine_adapter, reported = await asyncio.to_thread(self.state.resolve_adapter, adapter)
         started = time.monotonic()
         await gen.start(turn.prompt, engine_adapter, args)
         async for out in gen.outputs():
@@ -153,6 +153,7 @@ class ChatService:
         conv = self.store.get_conversation(conversation_id)
         messages = self.store.list_messages(conversation_id)
         branch = self.store.history_until(messages[-1]["id"]) if messages else []
-        for m in branch:
-            m["feedback"] = sum(f["rating"] for f in self.store.list_feedback(m["id"])[-1:]) or None
+        for m in branch:  # the latest rating counts
+            ratings = self.store.list_feedback(m["id"])
+            m["feedback"] = ratings[-1]["rating"] if ratings else None
         return conv, branch

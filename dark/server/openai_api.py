@@ -134,7 +134,7 @@ async def list_models(state: AppState = Depends(get_state)) -> dict:
 
 @router.post("/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request, state: AppState = Depends(get_state)):
-    adapter, version = resolve_model(state, req.model)
+    adapter, version = await asyncio.to_thread(resolve_model, state, req.model)
     args = _sampling(state, req)
     if version is not None:
         args["adapter_version"] = version

@@ -296,6 +296,14 @@ def _echo_id(raw: Any) -> RequestId | None:
     return None
 
 
+def request_id_of(data: str | bytes) -> RequestId | None:
+    """The id of a frame, when it has a usable one, without validating the rest."""
+    try:
+        return _echo_id(json.loads(data))
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
 def describe(e: ValidationError) -> str:
     """Pydantic's errors as one line a person can act on: `field.path: what is wrong`."""
     parts = []

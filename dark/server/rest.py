@@ -9,7 +9,7 @@ import zipfile
 from pathlib import Path
 from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Response
 from fastapi.responses import FileResponse, PlainTextResponse
 from pydantic import BaseModel, Field
 from starlette.background import BackgroundTask
@@ -83,8 +83,10 @@ async def feedback(message_id: str, body: FeedbackRequest, state: AppState = Dep
 
 # --- learning ---
 @api.post("/learn", status_code=202)
-async def learn(body: LearnRequest, state: AppState = Depends(get_state)) -> dict:
+async def learn(body: LearnRequest, response: Response, state: AppState = Depends(get_state)) -> dict:
+    """202 with the queued job's id; with wait, 200 and the finished job's report."""
     if body.wait:
+        response.status_code = 200
         return await asyncio.to_thread(state.learning.learn, body.examples, body.adapter, body.kind, "api")
     queued = await asyncio.to_thread(state.learning.submit, body.examples, body.adapter, body.kind, "api")
     return {k: queued[k] for k in ("job_id", "adapter", "state")}

@@ -77,9 +77,9 @@ def _host_port(netloc_or_url: str, default_scheme: str) -> tuple[str, int | None
 def origin_problem(ws: WebSocket, settings: ServerSettings) -> str | None:
     """Browsers send Origin; a page from another site must not drive this server with the user's key.
 
-    No Origin header (scripts, curl) passes: the key, if any, guards those. With no allowed origins configured,
-    only the server's own origin passes: the Origin's host must be the Host the request came to (and its port,
-    when Host names one; behind a TLS proxy the Host often has none)."""
+    No Origin header (scripts, curl) passes: the key, if any, guards those. Besides the allowed origins, the
+    server's own origin passes: the Origin's host is the Host the request came to (and so is its port, when
+    Host names one; behind a TLS proxy the Host often has none)."""
     origin = ws.headers.get("origin")
     if origin is None:
         return None
@@ -87,7 +87,7 @@ def origin_problem(ws: WebSocket, settings: ServerSettings) -> str | None:
     if "*" in allowed or origin.rstrip("/") in allowed:
         return None
     host = ws.headers.get("host", "")
-    if not allowed and host and origin.startswith(("http://", "https://")):
+    if host and origin.startswith(("http://", "https://")):
         o_host, o_port = _host_port(origin, "http")
         h_host, h_port = _host_port(host, "http")
         o_port = o_port or (443 if origin.startswith("https://") else 80)

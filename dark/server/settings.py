@@ -38,7 +38,7 @@ class ServerSettings(BaseModel):
     correction_kind: str = Field("preference", pattern="^(preference|sft)$",
                                  description="how a correction trains: preference (old reply rejected) or sft")
     web_dir: Path | None = Field(None, description="the UI's static files; default: web/ of this checkout")
-    log_level: str = "info"
+    log_level: str = Field("info", pattern="^(debug|info|warning|error|critical)$")
 
     @field_validator("allowed_origins", mode="before")
     @classmethod

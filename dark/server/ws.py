@@ -23,6 +23,7 @@ from .protocol import (
     SUBPROTOCOL, Ack, Adapters, Chat, ClientMessage, Conversations, Correct, CreateAdapter, DeleteAdapter,
     DeleteConversation, Error, Feedback, FrameError, Hello, History, HistoryReply, Job, Learn, ListAdapters,
     ListConversations, Ping, Pong, Regenerate, Rollback, Started, Stop, Token, WatchJob, parse_client_message,
+    request_id_of,
 )
 from .security import TokenBucket, origin_problem, subprotocols, websocket_key_problem
 from .state import AppState
@@ -124,19 +125,20 @@ class Connection:
                 writer.cancel()
 
     def on_frame(self, data: str | bytes) -> None:
-        size = len(data.encode() if isinstance(data, str) and len(data) * 4 > self.settings.max_frame_bytes else data)
+        size = len(data) if isinstance(data, bytes) else len(data.encode())
         if size > self.settings.max_frame_bytes:
             self.error(None, "frame_too_large", f"the frame has {size} bytes; this server takes at most "
                                                 f"{self.settings.max_frame_bytes} per frame")
+            return
+        if not self.limiter.take():  # before parsing: a flood of junk costs as little as a flood of pings
+            self.error(request_id_of(data), "rate_limited",
+                       f"more than {self.settings.rate_limit:g} messages a second (burst {self.settings.rate_burst});"
+                       " slow down and send it again")
             return
         try:
             msg = parse_client_message(data)
         except FrameError as e:
             self.error(e.request_id, e.code, e.message)
-            return
-        if not self.limiter.take():
-            self.error(msg.id, "rate_limited", f"more than {self.settings.rate_limit:g} messages a second "
-                                               f"(burst {self.settings.rate_burst}); slow down and send it again")
             return
         if isinstance(msg, Ping):
             self.send(Pong(id=msg.id))
@@ -178,7 +180,8 @@ class Connection:
 
     async def on_chat(self, msg: Chat) -> None:
         args = self.state.sampling_args(msg.sampling)
-        self.state.resolve_adapter(msg.adapter)  # an unknown adapter fails before anything is stored
+        # an unknown adapter fails before anything is stored
+        await asyncio.to_thread(self.state.resolve_adapter, msg.adapter)
         turn = await self.chat.chat_turn(msg)
         await self._generate(msg, turn, msg.adapter, args)
 
@@ -229,17 +232,17 @@ class Connection:
     async def on_create_adapter(self, msg: CreateAdapter) -> None:
         await asyncio.to_thread(self.state.learning.create, msg.name, msg.r, msg.alpha)
         await self._adapters(msg.id)
-        broadcast_adapters(self.state, exclude=self)
+        await broadcast_adapters(self.state, exclude=self)
 
     async def on_rollback(self, msg: Rollback) -> None:
         await asyncio.to_thread(self.state.learning.rollback, msg.adapter, msg.version)
         await self._adapters(msg.id)
-        broadcast_adapters(self.state, exclude=self)
+        await broadcast_adapters(self.state, exclude=self)
 
     async def on_delete_adapter(self, msg: DeleteAdapter) -> None:
         await asyncio.to_thread(self.state.learning.delete, msg.adapter)
         await self._adapters(msg.id)
-        broadcast_adapters(self.state, exclude=self)
+        await broadcast_adapters(self.state, exclude=self)
 
     # --- conversations and feedback ---
     async def on_conversations(self, msg: ListConversations) -> None:
@@ -259,12 +262,12 @@ class Connection:
         self.send(Ack(id=msg.id, request=msg.type, data={"feedback_id": row["id"]}))
 
 
-def broadcast_adapters(state: AppState, exclude: Connection | None = None) -> None:
-    """Tell every socket (on the event loop) that the adapters changed; id null marks it unsolicited."""
+async def broadcast_adapters(state: AppState, exclude: Connection | None = None) -> None:
+    """Tell every socket that the adapters changed; id null marks it unsolicited."""
     if not state.connections:
         return
     try:
-        adapters = state.learning.list()
+        adapters = await asyncio.to_thread(state.learning.list)
     except Exception:
         log.exception("could not list adapters for a broadcast")
         return
