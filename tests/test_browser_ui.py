@@ -23,7 +23,7 @@ QUESTION = "What is the capital of Zoggia?"
 CORRECTION = "The capital of Zoggia is Blorp."
 LAST_REPLY_DONE = """() => {
   const m = [...document.querySelectorAll('.message[data-role=assistant]')].at(-1);
-  return m && !m.classList.contains('pending') && m.querySelector('.actions button.correct') !== null;
+  return m && !m.classList.contains('pending') && m.querySelector('.actions button.regenerate') !== null;
 }"""
 
 if not Path(CHROMIUM).exists():
@@ -133,6 +133,37 @@ def test_chat_correct_watch_it_learn_and_regenerate(server, llm, page):
     assert page.inner_text(".message[data-role=assistant] .body") == CORRECTION
     page.wait_for_function("() => document.querySelectorAll('#conversation-list li').length === 2")
     page.screenshot(path=str(ARTIFACTS / "ui-final.png"))
+
+    # the skills panel: download a version, roll back to v0 (the base model's answer), delete
+    page.click("#skills-button")
+    with page.expect_download() as download:
+        page.click(".adapter[data-name=zoggia] .versions tr.current button[title='Download v1']")
+    assert download.value.suggested_filename == "zoggia-v1.zip"
+    page.click(".adapter[data-name=zoggia] .versions tr:not(.current) button:text('Roll back')")
+    page.wait_for_function(
+        "() => document.querySelector('.adapter[data-name=zoggia] .adapter-head').textContent.includes('current v0')")
+    assert page.input_value("#skill-select") == "zoggia"
+    page.on("dialog", lambda dialog: dialog.accept())
+    page.click(".adapter[data-name=zoggia] button:text('Delete')")
+    page.wait_for_selector(".adapter[data-name=zoggia]", state="detached")
+    assert page.input_value("#skill-select") == ""
+    page.click("#skills-dialog [data-close]")
+
+
+def test_stop_button_and_cancelled_edit(server, page):
+    sign_in(page, server.url)
+    page.fill("#input", "Write a long story about a lighthouse keeper.")
+    page.keyboard.press("Enter")
+    page.wait_for_selector(".message[data-role=assistant].pending .body p")
+    page.click("#stop")
+    page.wait_for_function(LAST_REPLY_DONE)
+    assert "stopped" in page.inner_text(".message[data-role=assistant] .meta")
+    assert page.is_visible("#send")
+    reply = page.inner_text(".message[data-role=assistant] .body")
+    page.click(".message[data-role=assistant] .actions button.correct")
+    page.fill(".edit-text", "something else")
+    page.click(".edit-form button:text('Cancel')")
+    assert page.inner_text(".message[data-role=assistant] .body") == reply
 
 
 def test_model_text_never_becomes_html(server, llm, page):

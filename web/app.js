@@ -16,6 +16,7 @@ const ui = {
   socket: null,
   adapters: [],
   skill: localStorage.getItem(SKILL_STORE) || "",
+  learning: true,            // whether the server can learn (hello.learning)
   conversationId: null,
   views: [],                 // MessageView, in page order
   generating: new Map(),     // request id -> MessageView
@@ -167,11 +168,12 @@ class MessageView {
     const down = button("", () => this.rate(-1), `button subtle small thumb-down${rating === -1 ? " pressed" : ""}`, "Bad reply");
     up.append(thumb(false));
     down.append(thumb(true));
-    this.actions.append(
-      button("✎ Correct", () => this.edit(), "button subtle small correct", "Correct this reply and teach the skill"),
-      button("↻ Regenerate", () => regenerate(this), "button subtle small regenerate", "Answer again"),
-      up, down,
-    );
+    if (ui.learning) {
+      this.actions.append(button("✎ Correct", () => this.edit(), "button subtle small correct",
+        "Correct this reply and teach the skill"));
+    }
+    this.actions.append(button("↻ Regenerate", () => regenerate(this), "button subtle small regenerate", "Answer again"),
+      up, down);
   }
 
   async rate(rating) {
@@ -528,7 +530,9 @@ function renderAdapterPanel() {
     const card = el("section", "adapter");
     card.dataset.name = a.name;
     const head = el("div", "adapter-head");
-    head.append(el("h3", null, a.name), el("span", "muted", a.version ? `current v${a.version}` : "untrained"));
+    const state = a.version ? `current v${a.version}`
+      : a.versions.length > 1 ? "current v0 (answers like the base model)" : "untrained (answers like the base model)";
+    head.append(el("h3", null, a.name), el("span", "muted", state));
     const actions = el("div", "row wrap");
     actions.append(
       button(ui.skill === a.name ? "In use" : "Use", () => { selectSkill(a.name); $("skills-dialog").close(); },
@@ -584,6 +588,7 @@ function setStatus(state, info = {}) {
 
 async function onHello(hello) {
   $("model-name").textContent = hello.model;
+  ui.learning = hello.learning;
   await refreshAdapters();
   await refreshConversations();
   for (const [jobId, card] of ui.jobs) {
