@@ -156,7 +156,7 @@ def test_rest_conversations_and_metrics(server, http):
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
     text = metrics.text
     for name in ("dark_requests_total", "dark_generated_tokens_total", "dark_tokens_per_second",
-                 "dark_queue_waiting", "dark_ws_connections"):
+                 "dark_queue_waiting", "dark_ws_connections", "dark_learn_jobs"):
         assert f"# TYPE {name}" in text, name
     assert 'dark_requests_total{finish_reason="stop",source="ws"}' in text
 
@@ -221,3 +221,20 @@ def test_origin_rules():
     assert check("http://127.0.0.1:8000", "127.0.0.1:8000", ["https://app.example"])  # own origin stays allowed
     assert check("https://anything.example", "127.0.0.1:8000", ["*"])
     assert not check("null", "127.0.0.1:8000")                            # sandboxed frames, file:// pages
+
+
+def test_a_client_that_leaves_a_stream_stops_it(http, llm):
+    import time
+
+    body = {"model": "base", "stream": True, "max_tokens": 250,
+            "messages": [{"role": "user", "content": "Write a very long story about a dragon."}]}
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    for _ in range(100):
+        if not llm.engine.scheduler.running and not llm.engine.scheduler.waiting:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the generation kept running after its client left")

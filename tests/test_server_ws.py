@@ -248,3 +248,34 @@ def test_the_example_client_script(server, llm):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == llm.generate(QUESTION, max_tokens=20)
     assert "serving" in out.stderr
+
+
+def test_many_sockets_at_once(server, llm):
+    prompts = [f"Give me a word that rhymes with {w}." for w in ("cat", "dog", "sun", "tree", "cake", "light",
+                                                                 "moon", "rain", "star", "sea", "hill", "road")]
+
+    async def one(prompt):
+        async with await session(server) as s:
+            return (await s.request({"type": "chat", "content": prompt, "sampling": {"max_tokens": 12}}))[-1]
+
+    async def go():
+        return await asyncio.gather(*(one(p) for p in prompts))
+    results = run(go())
+    assert [r["type"] for r in results] == ["done"] * len(prompts)
+    assert len({r["conversation_id"] for r in results}) == len(prompts)
+    assert results[0]["text"] == llm.generate(prompts[0], max_tokens=12)
+
+
+def test_closing_the_socket_stops_its_generations(server, llm):
+    async def go():
+        s = await session(server)
+        await s.send({"type": "chat", "id": "a", "content": "Write a very long story about a dragon.",
+                      "sampling": {"max_tokens": 300}})
+        await s.next(lambda f: f.get("id") == "a" and f["type"] == "token")
+        await s.close()
+        for _ in range(100):
+            if not llm.engine.scheduler.running and not llm.engine.scheduler.waiting:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+    assert run(go()), "the generation kept running after its socket closed"

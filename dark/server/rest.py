@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import tempfile
 import zipfile
@@ -20,6 +21,7 @@ from .protocol import PROTOCOL_VERSION, AdapterInfo, AdapterVersion, Name
 from .security import check_http_key
 from .state import AppState, get_state
 
+log = logging.getLogger(__name__)
 public = APIRouter()
 api = APIRouter(prefix="/api", dependencies=[Depends(check_http_key)])
 metrics_router = APIRouter(dependencies=[Depends(check_http_key)])
@@ -162,6 +164,10 @@ async def metrics(state: AppState = Depends(get_state)) -> PlainTextResponse:
     try:
         for a in await asyncio.to_thread(state.learning.list):
             gauges.append(("dark_adapter_version", "Current version of each adapter", a.version, {"adapter": a.name}))
+        jobs = await asyncio.to_thread(state.store.unfinished_jobs)
+        for job_state in ("queued", "running"):
+            gauges.append(("dark_learn_jobs", "Learn jobs not finished yet, by state",
+                           sum(j["state"] == job_state for j in jobs), {"state": job_state}))
     except Exception:  # metrics must not fail because one source did
-        pass
+        log.exception("metrics: could not read adapters or jobs")
     return PlainTextResponse(state.metrics.render(gauges), media_type="text/plain; version=0.0.4")
