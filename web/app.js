@@ -226,6 +226,10 @@ class MessageView {
   correct(content, adapter) {
     const card = new JobCard(this, adapter);
     ui.socket.request({ type: "correct", message_id: this.data.id, content, adapter }, (frame) => {
+      if (frame.type === "error" && frame.code === "disconnected" && card.jobId) {
+        card.note("connection lost; the job goes on and this resumes on reconnect");
+        return;
+      }
       if (frame.type === "error") { card.fail(frame.message); this.editing = false; this.render(); return; }
       if (frame.type !== "job") return;
       if (!card.jobId) {
@@ -247,7 +251,7 @@ class JobCard {
     this.view = view;
     this.adapter = adapter;
     this.jobId = null;
-    this.losses = [];
+    this.losses = new Map();   // step -> loss (a replay after a reconnect repeats steps)
     this.state = "sending";
     this.box = view.jobBox;
     this.box.hidden = false;
@@ -258,8 +262,13 @@ class JobCard {
   update(frame) {
     this.state = frame.state;
     if (frame.adapter) this.adapter = frame.adapter;
-    if (frame.state === "running" && Number.isFinite(frame.loss)) this.losses.push(frame.loss);
+    if (frame.state === "running" && Number.isFinite(frame.loss)) this.losses.set(frame.step ?? this.losses.size, frame.loss);
     this.draw(frame);
+  }
+
+  note(text) {
+    const status = this.box.querySelector(".job-state");
+    if (status) status.textContent = text;
   }
 
   fail(message) {
@@ -295,7 +304,7 @@ class JobCard {
     }
     head.append(title, status);
     const parts = [head];
-    if (this.losses.length) parts.push(lossChart(this.losses));
+    if (this.losses.size) parts.push(lossChart([...this.losses].sort((a, b) => a[0] - b[0]).map(([, loss]) => loss)));
     if (this.state === "done") {
       parts.push(button(`↻ Regenerate with ${this.adapter}`, () => { selectSkill(this.adapter); regenerate(this.view); },
         "button primary small regenerate-learned"));
