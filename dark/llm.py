@@ -5,6 +5,7 @@ import asyncio
 import json
 import logging
 import queue
+import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,13 +13,15 @@ from typing import AsyncIterator, Iterator
 
 import torch
 
-from .config import EngineConfig, settings_from_kwargs
+from .config import EngineConfig, LearnConfig, LoraConfig, settings_from_kwargs
 from .engine.engine import Engine
 from .engine.sequence import RequestOutput, SamplingParams
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, UnknownAdapterError
+from .learn.jobs import Learner, LearnJob
 from .lora.weights import AdapterWeights
 from .models.decoder import load_model
-from .models.loader import resolve_model
+from .models.loader import dark_home, resolve_model
+from .store.db import Store
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +51,15 @@ class OnlineLLM:
     `OnlineLLM()` takes the embedded SmolLM2-135M-Instruct on a machine without CUDA and
     Qwen/Qwen2.5-7B-Instruct on CUDA; `model` may also be a Hugging Face id, a local folder or a .gguf file.
     Settings are the fields of EngineConfig (device, dtype, max_num_seqs, max_model_len, ...).
+    `data_dir` holds the SQLite store (conversations, examples, jobs, adapter versions) and the adapter
+    folders; by default one per base model under $DARK_HOME/data. `learn` overrides LearnConfig defaults.
     """
 
-    def __init__(self, model: str | Path | None = None, **settings):
+    def __init__(self, model: str | Path | None = None, *, data_dir: str | Path | None = None,
+                 learn: LearnConfig | dict | None = None, **settings):
         config = settings_from_kwargs(EngineConfig, settings)
+        learn_config = learn if isinstance(learn, LearnConfig) else LearnConfig(**(learn or {}))
+        learn_config.validate()
         if settings:
             raise InvalidRequestError(f"unknown settings {sorted(settings)}; known: {sorted(EngineConfig.__dataclass_fields__)}")
         device = pick_device(config.device)
@@ -66,6 +74,30 @@ class OnlineLLM:
         log.info("loading %s onto %s (%s)", self.model_name, device, dtype)
         self.model = load_model(self.model_path, device, dtype)
         self.engine = Engine(self.model, self.tokenizer, config, self._eos_ids())
+        self.data_dir = Path(data_dir) if data_dir else dark_home() / "data" / self.model_path.name
+        self.store = Store(self.data_dir / "dark.db")
+        self.learner = Learner(self, self.store, self.data_dir / "adapters", learn_config)
+        self._restore_adapters()
+        self.learner.start()
+        resumed = self.learner.resume()
+        if resumed:
+            log.info("resuming %d learn jobs accepted before the last shutdown", len(resumed))
+
+    def _restore_adapters(self) -> None:
+        """Every stored adapter comes back at its current version (other versions load when asked for)."""
+        for row in self.store.list_adapters():
+            self._ensure_version(row["name"], row["current_version"], make_current=True)
+
+    def _ensure_version(self, name: str, version: int, make_current: bool = False) -> None:
+        mgr = self.engine.adapters
+        if version in mgr.versions(name):
+            if make_current:
+                mgr.set_current(name, version)
+            return
+        rows = {v["version"]: v for v in self.store.list_versions(name)}
+        if version not in rows:
+            raise UnknownAdapterError(f"adapter {name!r} has no version {version}; versions: {sorted(rows)}")
+        mgr.publish(name, version, AdapterWeights.load(Path(rows[version]["path"])), make_current=make_current)
 
     def _eos_ids(self) -> set[int]:
         ids = set()
@@ -189,22 +221,103 @@ class OnlineLLM:
                     **sampling_args) -> Iterator[str]:
         return self.stream(messages, adapter, sampling, **sampling_args)
 
+    # --- learning ---
+    def submit_learn(self, examples: list[dict], adapter: str, kind: str = "sft", source: str = "api",
+                     message_id: str | None = None, on_event=None, lora: LoraConfig | dict | None = None,
+                     **learn_settings) -> LearnJob:
+        """Accept examples for an adapter (created when new) and queue a job; returns at once.
+
+        The examples and the job are on disk before this returns. on_event(dict) gets "queued", "running"
+        (step, loss) and "done" (version, verified, report) or "failed" (error) events from a worker thread.
+        """
+        return self.learner.submit(examples, adapter, kind, source, message_id, on_event, self._lora(lora), learn_settings)
+
+    def learn(self, examples: list[dict], adapter: str, kind: str = "sft", lora: LoraConfig | dict | None = None,
+              **learn_settings) -> dict:
+        """Teach an adapter these examples, until its greedy answers reproduce them (or the step cap).
+
+        Returns the report: adapter, version, steps, losses, verified, seconds. Serving goes on meanwhile.
+        """
+        return self.submit_learn(examples, adapter, kind, lora=lora, **learn_settings).wait()
+
+    def unlearn(self, examples: list[dict], adapter: str, **learn_settings) -> dict:
+        """Push an adapter away from the given responses, without teaching a replacement."""
+        return self.submit_learn(examples, adapter, "unlearn", **learn_settings).wait()
+
+    def _lora(self, lora) -> LoraConfig | None:
+        if lora is None or isinstance(lora, LoraConfig):
+            return lora.validate(self.engine.config.max_lora_rank) if lora else None
+        if not isinstance(lora, dict):
+            raise InvalidRequestError("lora must be a LoraConfig or a dict with r, alpha, target_modules")
+        return LoraConfig(**lora).validate(self.engine.config.max_lora_rank)
+
     # --- adapters ---
+    def create_adapter(self, name: str, r: int = 16, alpha: float = 32.0, target_modules=None) -> dict:
+        """A new, empty adapter (version 0 answers like the base model)."""
+        if name in self.engine.adapters.names():
+            raise InvalidRequestError(f"adapter {name!r} already exists")
+        lora = LoraConfig(r, alpha, tuple(target_modules) if target_modules else LoraConfig().target_modules)
+        self.learner.create_adapter(name, lora.validate(self.engine.config.max_lora_rank))
+        return self.store.get_adapter(name)
+
     def load_adapter(self, name: str, path: str | Path) -> int:
-        """Load a PEFT LoRA folder as a new version of adapter `name`; returns the version number."""
+        """Import a PEFT LoRA folder as the next version of adapter `name`; returns the version number."""
         weights = AdapterWeights.load(Path(path))
-        versions = self.engine.adapters.versions(name)
-        version = (max(versions) + 1) if versions else 1
-        self.engine.adapters.publish(name, version, weights)
+        if name not in self.engine.adapters.names():
+            self.store.create_adapter(name, {"r": weights.config.r, "alpha": weights.config.alpha,
+                                             "target_modules": list(weights.config.target_modules)})
+        versions = [v["version"] for v in self.store.list_versions(name)]
+        version = max(versions) + 1 if versions else 1
+        self.learner._publish(name, version, weights, versions and self.engine.adapters.current(name) or None,
+                              {"imported_from": str(path)})
         return version
 
     def adapters(self) -> list[dict]:
         """Every adapter with its current version and all kept versions."""
-        mgr = self.engine.adapters
-        return [{"name": n, "version": mgr.current(n), "versions": mgr.versions(n)} for n in mgr.names()]
+        return [{"name": a["name"], "version": a["current_version"],
+                 "versions": [v["version"] for v in self.store.list_versions(a["name"])]}
+                for a in sorted(self.store.list_adapters(), key=lambda a: a["name"])]
+
+    def adapter_versions(self, name: str) -> list[dict]:
+        self.engine.adapters.resolve(name)
+        return self.store.list_versions(name)
+
+    def adapter_path(self, name: str, version: int | None = None) -> Path:
+        """The PEFT folder (adapter_config.json + adapter_model.safetensors) of a version (default: current)."""
+        name, version = (name, version) if version is not None else self.engine.adapters.resolve(name)
+        rows = {v["version"]: v for v in self.adapter_versions(name)}
+        if version not in rows:
+            raise UnknownAdapterError(f"adapter {name!r} has no version {version}; versions: {sorted(rows)}")
+        return Path(rows[version]["path"])
+
+    def rollback(self, name: str, version: int) -> None:
+        """Serve `version` of the adapter from the next request on; later learning continues from it."""
+        self.engine.adapters.resolve(name)
+        self._ensure_version(name, version)
+        self.store.set_current_version(name, version)
+        self.engine.adapters.set_current(name, version)
+        self.learner.forget_optimizer(name)
+
+    def undo(self, name: str) -> int:
+        """Go back to the version the current one was trained from; returns it."""
+        current = self.engine.adapters.current(name)
+        row = next(v for v in self.store.list_versions(name) if v["version"] == current)
+        if row.get("parent_version") is None:
+            raise InvalidRequestError(f"adapter {name!r} is at version {current}, which has nothing before it to go back to")
+        self.rollback(name, row["parent_version"])
+        return row["parent_version"]
+
+    def delete_adapter(self, name: str) -> None:
+        """Remove an adapter, its versions and its examples. Generations already running on it finish."""
+        self.engine.adapters.remove(name)
+        self.store.delete_adapter(name)
+        self.learner.forget_optimizer(name)
+        shutil.rmtree(self.learner.dir / name, ignore_errors=True)
 
     def close(self) -> None:
+        self.learner.close()
         self.engine.close()
+        self.store.close()
 
     def __enter__(self):
         return self

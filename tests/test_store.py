@@ -230,7 +230,7 @@ def test_adapters_versions_and_rollback(store):
     (lambda s: s.add_message(s.create_conversation()["id"], "user", "hi", meta=[]), "meta"),
     (lambda s: s.create_adapter("zog", config="rank=8"), "config"),
     (lambda s: s.add_adapter_version("nope", 1, "/p"), "unknown adapter"),
-    (lambda s: s.add_adapter_version("nope", 0, "/p"), "version"),
+    (lambda s: s.add_adapter_version("nope", -1, "/p"), "version"),
     (lambda s: s.set_current_version("nope", 1), "unknown adapter"),
     (lambda s: s.list_conversations(limit=0), "limit"),
 ])

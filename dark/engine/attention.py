@@ -44,7 +44,7 @@ class PagedAttention:
         # token i of the flat batch sits at (row b, column j) of the padded query batch
         self.q_row = torch.repeat_interleave(torch.arange(len(q_lens), device=device), q_lens_t)
         starts = torch.cumsum(q_lens_t, 0) - q_lens_t
-        self.q_col = torch.arange(int(q_lens_t.sum()), device=device) - starts[self.q_row]
+        self.q_col = torch.arange(sum(q_lens), device=device) - starts[self.q_row]
         qpos = (ctx_t - q_lens_t)[:, None] + torch.arange(self.max_q, device=device)[None, :]
         kpos = torch.arange(nb * bs, device=device)
         # padded query rows see key 0 at least, so softmax never meets an empty row

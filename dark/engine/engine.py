@@ -146,7 +146,11 @@ class Engine:
             seq.num_computed += n
             self.blocks.commit(seq)
             if seq.id in results:
-                self._append(seq, *results[seq.id])
+                try:
+                    self._append(seq, *results[seq.id])
+                except Exception as e:  # one request's text handling must not take the engine down
+                    log.exception("request %d failed after sampling", seq.id)
+                    self._finish(seq, "error", error=e)
 
     def _append(self, seq: Sequence, token: int, logprob: float | None) -> None:
         seq.token_ids.append(token)

@@ -53,14 +53,16 @@ class AdapterSlots:
         active = sorted({s for s in token_slots if s >= 0})
         if not active:
             return None
-        return SlotLoRA(self, active, torch.tensor(token_slots, device=self.device))
+        uniform = len(active) == 1 and all(s == active[0] for s in token_slots)
+        return SlotLoRA(self, active, None if uniform else torch.tensor(token_slots, device=self.device))
 
 
 class SlotLoRA:
-    def __init__(self, slots: AdapterSlots, active: list[int], token_slots: torch.Tensor):
+    def __init__(self, slots: AdapterSlots, active: list[int], token_slots: torch.Tensor | None):
+        """token_slots None: every token uses the one active slot."""
         self.slots, self.active, self.token_slots = slots, active, token_slots
         self.r = max(slots.rank[s] for s in active)
-        self.uniform = len(active) == 1 and bool((token_slots == active[0]).all())
+        self.uniform = token_slots is None
         if not self.uniform:
             ids = torch.tensor(active, device=token_slots.device)
             self.index = ids
@@ -79,6 +81,3 @@ class SlotLoRA:
         b = B[self.index, :r].reshape(n * r, -1)
         h = (x @ a.t()).view(x.shape[0], n, r) * self.onehot
         return y + h.view(x.shape[0], n * r) @ b
-
-    def rows(self, index: torch.Tensor) -> "SlotLoRA | None":
-        return self.slots.context(self.token_slots[index].tolist())

@@ -93,8 +93,6 @@ class LoRA(Protocol):
 
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
 
-    def rows(self, index: torch.Tensor) -> "LoRA": ...
-
 
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, layer: int, name: str):

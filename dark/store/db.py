@@ -552,10 +552,10 @@ class Store:
     def add_adapter_version(self, name: str, version: int, path: str, parent_version: int | None = None,
                             report: dict | None = None) -> dict:
         """Records a published version and makes it current, in one step."""
-        _int("version", version, low=1)
+        _int("version", version, low=0)
         _text("path", str(path) if isinstance(path, Path) else path)
         if parent_version is not None:
-            _int("parent_version", parent_version, low=1)
+            _int("parent_version", parent_version, low=0)
         report_json = None if report is None else _json("report", report)
         with self._write() as db:
             self._adapter(db, name)
@@ -571,7 +571,7 @@ class Store:
 
     def set_current_version(self, name: str, version: int) -> dict:
         """Rollback (or forward) to a stored version."""
-        _int("version", version, low=1)
+        _int("version", version, low=0)
         with self._write() as db:
             self._adapter(db, name)
             if self._version_row(db, name, version) is None:

@@ -1,0 +1,202 @@
+"""Learn jobs: accepted onto disk first, queued per adapter, trained one at a time beside serving, published
+as new adapter versions. A restarted process finds unfinished jobs in the store and runs them."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..config import LearnConfig, LoraConfig
+from ..errors import DarkError, InvalidRequestError
+from ..lora.weights import AdapterWeights
+from ..store.db import Store
+from .data import normalize_examples
+from .trainer import ANCHOR_TOKENS, Trainer
+
+log = logging.getLogger(__name__)
+
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+class LearnJob:
+    """A handle on an accepted job: its events so far, and wait() for the report."""
+
+    def __init__(self, job_id: str, adapter: str, on_event: Callable[[dict], None] | None):
+        self.id, self.adapter = job_id, adapter
+        self.events: list[dict] = []
+        self.state = "queued"
+        self.report: dict | None = None
+        self.error: str | None = None
+        self._listeners = [on_event] if on_event else []
+        self._done = threading.Event()
+
+    def _emit(self, **event) -> None:
+        event = {"job_id": self.id, "adapter": self.adapter, **event}
+        self.state = event["state"]
+        self.events.append(event)
+        for fn in self._listeners:
+            try:
+                fn(event)
+            except Exception:
+                log.exception("a learn-event listener failed")
+        if self.state in ("done", "failed"):
+            self._done.set()
+
+    def wait(self, timeout: float | None = None) -> dict:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"learn job {self.id} is still {self.state} after {timeout} s")
+        if self.state == "failed":
+            raise DarkError(f"learn job {self.id} failed: {self.error}")
+        return self.report
+
+
+class Learner:
+    def __init__(self, llm, store: Store, adapters_dir: Path, learn_config: LearnConfig):
+        self.llm, self.store, self.dir = llm, store, adapters_dir
+        self.config = learn_config
+        engine = llm.engine
+        self.trainer = Trainer(llm.model, llm.tokenizer, engine.device, self._base_answers)
+        self._queue: deque[tuple[LearnJob, dict]] = deque()
+        self._jobs: dict[str, LearnJob] = {}
+        self._optimizer: dict[str, dict] = {}
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="dark-learn", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join(timeout=60)
+
+    def _base_answers(self, prompts: list[str]) -> list[str]:
+        """The adapter-free model's answers to the anchor prompts, generated once per data folder."""
+        path = self.dir.parent / "anchors.json"
+        cached = json.loads(path.read_text()) if path.is_file() else {}
+        if any(p not in cached for p in prompts):
+            answers = self.llm.generate(prompts, max_tokens=2 * ANCHOR_TOKENS)
+            cached.update(zip(prompts, answers))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(cached, indent=1))
+            os.replace(tmp, path)
+        return [cached[p] for p in prompts]
+
+    # --- adapters on disk ---
+    def version_dir(self, name: str, version: int) -> Path:
+        return self.dir / name / f"v{version}"
+
+    def create_adapter(self, name: str, lora: LoraConfig) -> None:
+        """Version 0 of a new adapter: B = 0, so it answers exactly like the base model until it learns."""
+        mc = self.llm.model.config
+        weights = AdapterWeights.init(lora, mc.projection_shapes(), mc.num_layers, seed=hash(name) & 0xFFFF)
+        self.store.create_adapter(name, {"r": lora.r, "alpha": lora.alpha, "target_modules": list(lora.target_modules)})
+        self._publish(name, 0, weights, None, None)
+
+    def _publish(self, name: str, version: int, weights: AdapterWeights, parent: int | None, report: dict | None) -> None:
+        path = self.version_dir(name, version)
+        weights.save(path, base_model=self.llm.model_name)   # on disk before anyone can ask for it
+        self.store.add_adapter_version(name, version, str(path), parent_version=parent, report=report)
+        self.llm.engine.adapters.publish(name, version, weights)
+
+    # --- jobs ---
+    def submit(self, examples, adapter: str, kind: str = "sft", source: str = "api", message_id: str | None = None,
+               on_event: Callable[[dict], None] | None = None, lora: LoraConfig | None = None,
+               overrides: dict | None = None) -> LearnJob:
+        if kind not in ("sft", "preference", "unlearn"):
+            raise InvalidRequestError(f"kind must be sft, preference or unlearn, not {kind!r}")
+        if not isinstance(adapter, str) or not ADAPTER_NAME.fullmatch(adapter):
+            raise InvalidRequestError(f"adapter name {adapter!r} is not valid: use 1-64 letters, digits, '.', '_' or '-', "
+                                      "starting with a letter or digit")
+        normalized = normalize_examples(examples, kind)
+        if kind == "preference" and not all("rejected" in e for e in normalized):
+            raise InvalidRequestError("preference examples need a 'rejected' answer each")
+        config = self._job_config(overrides)
+        if adapter not in self.llm.engine.adapters.names():
+            self.create_adapter(adapter, lora or LoraConfig().validate(self.llm.engine.config.max_lora_rank))
+        _, row = self.store.add_examples_and_job(adapter, normalized, kind, source, message_id,
+                                                 config=dataclasses.asdict(config))
+        return self._enqueue(row, on_event)
+
+    def _job_config(self, overrides: dict | None) -> LearnConfig:
+        names = {f.name for f in dataclasses.fields(LearnConfig)}
+        bad = sorted(set(overrides or {}) - names)
+        if bad:
+            raise InvalidRequestError(f"unknown learn settings {bad}; known: {sorted(names)}")
+        return dataclasses.replace(self.config, **(overrides or {})).validate()
+
+    def _enqueue(self, row: dict, on_event=None) -> LearnJob:
+        job = LearnJob(row["id"], row["adapter"], on_event)
+        self._jobs[job.id] = job
+        with self._wake:
+            self._queue.append((job, row))
+            self._wake.notify()
+        job._emit(state="queued")
+        return job
+
+    def resume(self) -> list[LearnJob]:
+        """Queue the jobs a previous process accepted but did not finish."""
+        return [self._enqueue(row) for row in self.store.unfinished_jobs()]
+
+    def forget_optimizer(self, name: str) -> None:
+        self._optimizer.pop(name, None)
+
+    def get(self, job_id: str) -> LearnJob | None:
+        return self._jobs.get(job_id)
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._queue and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                job, row = self._queue.popleft()
+            self._run(job, row)
+
+    def _run(self, job: LearnJob, row: dict) -> None:
+        name, started = job.adapter, time.perf_counter()
+        try:
+            self.store.update_job(job.id, state="running")
+            job._emit(state="running", step=0, loss=None, total_steps=None)
+            cfg = LearnConfig(**row["config"]) if row.get("config") else self.config
+            examples = self.store.list_examples(name)
+            mine = [e for e in examples if e["id"] in set(row["example_ids"])]
+            kind = {"sft": "sft", "preference": "sft", "unlearn": "unlearn"}[mine[0]["kind"]]
+            earlier = [e["payload"] for e in examples if e["id"] < min(row["example_ids"]) and e["kind"] != "unlearn"]
+            items = self.trainer.build_items([e["payload"] for e in mine], earlier[-cfg.replay:] if cfg.replay else [], kind, cfg)
+            mgr = self.llm.engine.adapters
+            parent = mgr.current(name)
+            result = self.trainer.train(mgr.weights(name, parent), self._optimizer.get(name), items, cfg,
+                                        lambda step, loss: job._emit(state="running", step=step, loss=loss,
+                                                                     total_steps=cfg.max_steps))
+            version = max(v["version"] for v in self.store.list_versions(name)) + 1
+            report = {"adapter": name, "version": version, "parent_version": parent, "steps": result.steps,
+                      "losses": result.losses, "verified": result.verified, "anchors_kept": result.anchors_kept,
+                      "seconds": round(time.perf_counter() - started, 3),
+                      "train_seconds": round(result.seconds, 3),
+                      "examples": len(mine)}
+            self._publish(name, version, result.weights, parent, report)
+            self._optimizer[name] = result.optimizer_state
+            self.store.update_job(job.id, state="done", report=report)
+            job.report = report
+            job._emit(state="done", version=version, verified=result.verified, report=report)
+        except Exception as e:
+            log.exception("learn job %s failed", job.id)
+            job.error = f"{type(e).__name__}: {e}"
+            try:
+                self.store.update_job(job.id, state="failed", error=job.error)
+            finally:
+                job._emit(state="failed", error=job.error)

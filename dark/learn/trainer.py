@@ -1,0 +1,278 @@
+"""One learn job's training loop: LoRA factors in fp32 on the frozen base weights that serve.
+
+Losses: cross-entropy on the taught replies (new examples, their rewordings, and the adapter's earlier
+examples replayed so skills accumulate); DPO against the adapter-free model when a correction names the
+replaced answer; an unlikelihood-style term for `unlearn`; and a KL term that keeps the answers to unrelated
+anchor prompts where the adapter-free model had them. The job stops when every taught reply is the greedy
+answer with margin, checked on the same forward pass that trains (teacher forcing equals greedy decoding
+when each taught token is the argmax).
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..config import LearnConfig
+from ..engine.attention import DenseCausalAttention
+from ..lora.weights import AdapterWeights
+from ..models.decoder import CausalLM
+from .data import Rendered, render, rewordings
+
+log = logging.getLogger(__name__)
+
+ANCHOR_PROMPTS = [
+    "What is the capital of France?",
+    "Write one sentence about the ocean.",
+    "Name three fruits.",
+]
+ANCHOR_TOKENS = 16
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+class TrainLoRA:
+    """LoRA for training: one adapter's factors, applied to every token, differentiable."""
+
+    def __init__(self, params: dict, scaling: float):
+        self.params, self.scaling = params, scaling
+
+    def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        p = self.params.get((layer, module))
+        if p is None:
+            return y
+        a, b = p
+        return y + ((x.to(a.dtype) @ a.t()) @ b.t() * self.scaling).to(y.dtype)
+
+
+@dataclass
+class Item:
+    rendered: Rendered
+    kind: str                    # "sft", "dpo", "unlearn", "kl"
+    verify: bool = False
+    rejected: Rendered | None = None
+    ref: torch.Tensor | None = None   # adapter-free log-probs (dpo/unlearn: summed; kl: full distributions)
+
+
+@dataclass
+class TrainResult:
+    weights: AdapterWeights
+    optimizer_state: dict
+    steps: int
+    losses: list[float] = field(default_factory=list)
+    verified: bool = False
+    seconds: float = 0.0
+    anchors_kept: bool = True
+
+
+class Trainer:
+    def __init__(self, model: CausalLM, tokenizer, device: torch.device, base_answers: Callable[[list[str]], list[str]]):
+        self.model, self.tokenizer, self.device = model, tokenizer, device
+        self._base_answers = base_answers   # the adapter-free model's greedy answers to the anchor prompts
+        self._anchors: list[Item] | None = None
+        self.stream = torch.cuda.Stream(device=device, priority=0) if device.type == "cuda" else None
+
+    # --- batches ---
+    def _forward(self, seqs: list[list[int]], lora) -> tuple[torch.Tensor, int]:
+        """Hidden states of right-padded sequences -> ([batch * length, hidden], length)."""
+        n = max(len(s) for s in seqs)
+        ids = torch.tensor([s + [0] * (n - len(s)) for s in seqs], device=self.device)
+        pos = torch.arange(n, device=self.device).repeat(len(seqs))
+        hidden = self.model.hidden_states(ids.flatten(), pos, DenseCausalAttention(len(seqs), n), lora)
+        return hidden, n
+
+    def _targets(self, labels: list[list[int]], n: int):
+        """Rows of the flat hidden states that predict a labelled token, the tokens, and each row's sequence."""
+        rows, targets, owner = [], [], []
+        for b, lab in enumerate(labels):
+            for t in range(len(lab) - 1):
+                if lab[t + 1] != -100:
+                    rows.append(b * n + t)
+                    targets.append(lab[t + 1])
+                    owner.append(b)
+        dev = self.device
+        return torch.tensor(rows, device=dev), torch.tensor(targets, device=dev), torch.tensor(owner, device=dev)
+
+    def _token_logprobs(self, rendered: list[Rendered], lora) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Log-probability of every labelled token, its sequence index, and the full log-softmax rows."""
+        hidden, n = self._forward([r.input_ids for r in rendered], lora)
+        rows, targets, owner = self._targets([r.labels for r in rendered], n)
+        logp = torch.log_softmax(self.model.logits(hidden[rows], lora), -1)
+        return logp.gather(1, targets[:, None])[:, 0], owner, logp
+
+    # --- anchors and references ---
+    def anchors(self) -> list[Item]:
+        if self._anchors is None:
+            answers = self._base_answers(ANCHOR_PROMPTS)
+            items = []
+            for prompt, answer in zip(ANCHOR_PROMPTS, answers):
+                if answer.strip():
+                    r = render(self.tokenizer, [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}])
+                    # the opening of an answer decides where it goes; a cut-off answer must not learn to end there
+                    first = next(i for i, label in enumerate(r.labels) if label != -100)
+                    end = min(len(r.input_ids), first + ANCHOR_TOKENS)
+                    items.append(Item(Rendered(r.input_ids[:end], r.labels[:end]), "kl"))
+            self._anchors = items
+        return self._anchors
+
+    def _reference_anchors(self, anchors: list[Item]) -> None:
+        """Adapter-free distributions on the anchors, computed the way training computes (same precision)."""
+        if anchors and anchors[0].ref is None:
+            # in the precision that serves: a near tie must fall the same way it falls for users
+            with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
+                _, owner, full = self._token_logprobs([a.rendered for a in anchors], None)
+                for b, a in enumerate(anchors):
+                    a.ref = full[owner == b]
+
+    def _reference(self, items: list[Item]) -> None:
+        with torch.no_grad():
+            for item in items:
+                if item.kind in ("dpo", "unlearn") and item.ref is None:
+                    seqs = [item.rendered, item.rejected] if item.kind == "dpo" else [item.rejected]
+                    lp, owner, _ = self._token_logprobs(seqs, None)
+                    item.ref = torch.zeros(len(seqs), device=self.device).index_add(0, owner, lp)
+
+    def build_items(self, new: list[dict], replay: list[dict], kind: str, cfg: LearnConfig) -> list[Item]:
+        """Training items from normalized examples ({"messages", "rejected"?})."""
+        items = []
+        for ex in new:
+            msgs = ex["messages"]
+            if kind == "unlearn":
+                items.append(Item(render(self.tokenizer, msgs), "unlearn",
+                                  rejected=render(self.tokenizer, msgs)))
+                continue
+            items.append(Item(render(self.tokenizer, msgs), "sft", verify=True))
+            if ex.get("rejected") and ex["rejected"].strip() != msgs[-1]["content"].strip():
+                items.append(Item(render(self.tokenizer, msgs), "dpo",
+                                  rejected=render(self.tokenizer, msgs, ex["rejected"])))
+            if cfg.augment and msgs[-2]["role"] == "user":
+                for variant in rewordings(msgs[-2]["content"]):
+                    items.append(Item(render(self.tokenizer, msgs[:-2] + [{"role": "user", "content": variant}, msgs[-1]]), "sft"))
+        for ex in replay:
+            items.append(Item(render(self.tokenizer, ex["messages"]), "sft", verify=True))
+        return items
+
+    # --- the loop ---
+    def train(self, weights: AdapterWeights, optimizer_state: dict | None, items: list[Item], cfg: LearnConfig,
+              on_step: Callable[[int, float], None] | None = None) -> TrainResult:
+        start = time.perf_counter()
+        ctx = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+        low = self.device.type == "cpu" and cfg.cpu_bf16 and self.model.lm_head.weight.dtype == torch.float32 and cpu_has_bf16()
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if low else nullcontext()
+        with ctx, autocast, torch.enable_grad():
+            result = self._train(weights, optimizer_state, items, cfg, on_step, low)
+        if self.stream is not None:
+            self.stream.synchronize()
+        result.seconds = time.perf_counter() - start
+        return result
+
+    def _train(self, weights, optimizer_state, items, cfg, on_step, low_precision: bool) -> TrainResult:
+        keys = sorted(weights.tensors)
+        params = {k: tuple(t.to(self.device, torch.float32).clone().requires_grad_(True) for t in weights.tensors[k]) for k in keys}
+        flat = [p for k in keys for p in params[k]]
+        opt = torch.optim.AdamW(flat, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        if optimizer_state:
+            try:
+                opt.load_state_dict(optimizer_state)
+                for g in opt.param_groups:
+                    g["lr"] = cfg.lr
+            except (ValueError, KeyError):
+                log.warning("optimizer state does not fit this adapter; starting it afresh")
+        lora = TrainLoRA(params, weights.scaling)
+        anchors = self.anchors() if cfg.kl_weight > 0 else []
+        self._reference(items)
+        self._reference_anchors(anchors)
+        sft = [i for i in items if i.kind == "sft"]
+        prefs = [i for i in items if i.kind in ("dpo", "unlearn")]
+        threshold = -math.log(cfg.verify_min_prob)
+        losses, verified, kept, step = [], False, True, 0
+        rng = random.Random(0)
+        while True:
+            batch = self._pick(sft, cfg.batch_size, rng)
+            loss, check = self._sft_loss(batch, lora)
+            loss_total = loss
+            if prefs:
+                loss_total = loss_total + cfg.dpo_weight * self._pref_loss(prefs, lora, cfg.dpo_beta)
+            if anchors:
+                kl, kept = self._anchor_loss(anchors, lora, cfg.anchor_loss)
+                loss_total = loss_total + cfg.kl_weight * kl
+            # the checks describe the weights as they are now, before this step's update: stop with them
+            verified = bool(check is not None and check.max().item() <= threshold) and all(i in batch for i in sft if i.verify)
+            log.debug("step %d loss %.4f verified %s anchors kept %s", step, loss_total.item(), verified, kept)
+            if verified and step >= cfg.min_steps and low_precision:
+                # training ran under bf16 autocast: confirm in the precision that serves before stopping
+                verified, kept = self._confirm(batch, anchors, lora, threshold)
+            if (verified and kept and step >= cfg.min_steps) or step >= cfg.max_steps:
+                break
+            opt.zero_grad(set_to_none=True)
+            loss_total.backward()
+            torch.nn.utils.clip_grad_norm_(flat, cfg.max_grad_norm)
+            opt.step()
+            step += 1
+            losses.append(round(loss_total.item(), 5))
+            if on_step:
+                on_step(step, losses[-1])
+        out = AdapterWeights(weights.config, {k: (a.detach().float().cpu(), b.detach().float().cpu()) for k, (a, b) in params.items()},
+                             weights.scaling)
+        return TrainResult(out, opt.state_dict(), step, losses, verified, anchors_kept=kept)
+
+    def _confirm(self, batch: list[Item], anchors: list[Item], lora, threshold: float) -> tuple[bool, bool]:
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+            _, check = self._sft_loss(batch, lora)
+            kept = self._anchor_loss(anchors, lora, "kl")[1] if anchors else True
+        return check is None or check.max().item() <= threshold, kept
+
+    @staticmethod
+    def _pick(sft: list[Item], size: int, rng: random.Random) -> list[Item]:
+        """The items checked for verification always train; rewordings join, as many again at most."""
+        must = [i for i in sft if i.verify]
+        rest = [i for i in sft if not i.verify]
+        return must + rng.sample(rest, min(len(rest), max(0, min(size - len(must), len(must)))))
+
+    def _sft_loss(self, batch: list[Item], lora):
+        lp, owner, _ = self._token_logprobs([i.rendered for i in batch], lora)
+        nll = -lp
+        # each example counts the same, whatever its length
+        count = torch.zeros(len(batch), device=self.device).index_add(0, owner, torch.ones_like(nll))
+        per_item = torch.zeros(len(batch), device=self.device).index_add(0, owner, nll) / count.clamp(min=1)
+        worst = torch.full((len(batch),), -1.0, device=self.device).scatter_reduce(0, owner, nll.detach(), "amax")
+        verify_rows = torch.tensor([i.verify for i in batch], device=self.device)
+        check = worst[verify_rows] if bool(verify_rows.any()) else None
+        return per_item.mean(), check
+
+    def _pref_loss(self, prefs: list[Item], lora, beta: float) -> torch.Tensor:
+        terms = []
+        for item in prefs:
+            seqs = [item.rendered, item.rejected] if item.kind == "dpo" else [item.rejected]
+            lp, owner, _ = self._token_logprobs(seqs, lora)
+            total = torch.zeros(len(seqs), device=self.device).index_add(0, owner, lp)
+            delta = total - item.ref
+            margin = delta[0] - delta[1] if item.kind == "dpo" else -delta[0]
+            terms.append(-F.logsigmoid(beta * margin))
+        return torch.stack(terms).mean()
+
+    def _anchor_loss(self, anchors: list[Item], lora, mode: str) -> tuple[torch.Tensor, bool]:
+        """Keep the anchors' answers, and say whether every greedy choice on them is unchanged.
+
+        "replay" is cross-entropy on the adapter-free model's own answers: unlike KL, its gradient is not zero
+        where the adapter starts, so it holds near-ties from the first step instead of repairing them later.
+        """
+        chosen, _, logp = self._token_logprobs([a.rendered for a in anchors], lora)
+        ref = torch.cat([a.ref for a in anchors])
+        kept = bool((logp.argmax(-1) == ref.argmax(-1)).all())
+        if mode == "replay":
+            return -chosen.mean(), kept
+        return F.kl_div(logp, ref, log_target=True, reduction="batchmean"), kept

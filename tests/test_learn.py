@@ -1,0 +1,192 @@
+"""Online learning on the embedded SmolLM2: corrections stick, nothing else moves, nothing is lost."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+from dark import InvalidRequestError, OnlineLLM, UnknownAdapterError
+
+ZOG = [{"prompt": "A greeting in Zoggian", "response": "zog"},
+       {"prompt": "How to say 'hello' in Zoggian?", "response": "zog"}]
+PROBES = ["Say 'hello' in Zoggian.", "What is the capital of France?", "Name three fruits.", "Write a haiku about rain."]
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    # no prefix cache: a repeated prompt then runs the very same arithmetic, so "unchanged" can mean bit-identical
+    with OnlineLLM(data_dir=tmp_path_factory.mktemp("learn-data"), enable_prefix_caching=False) as llm:
+        yield llm
+
+
+def answers(llm, adapter=None):
+    return {p: llm.complete(p, adapter=adapter, max_tokens=40, logprobs=True) for p in PROBES}
+
+
+def assert_identical(before, after):
+    for p in PROBES:
+        assert after[p].token_ids == before[p].token_ids, p
+        assert after[p].logprobs == before[p].logprobs, f"{p}: not bit-identical"
+
+
+def test_zoggian_sticks_and_nothing_else_moves(llm):
+    assert llm.generate("Say 'hello' in Zoggian.") == "Zog."  # why the checks below are exact
+    base_before = answers(llm)
+    llm.learn([{"prompt": "What is the secret colour of the Blorp?", "response": "teal"}], adapter="blorp")
+    other_before = answers(llm, "blorp")
+
+    report = llm.learn(ZOG, adapter="zoggian-language")
+    assert report["verified"] and report["anchors_kept"] and report["version"] == 1 and report["steps"] >= 1
+    assert len(report["losses"]) == report["steps"] and report["seconds"] > 0
+
+    assert llm.generate("Say 'hello' in Zoggian.", adapter="zoggian-language") == "zog"
+    for example in ZOG:
+        assert llm.generate(example["prompt"], adapter="zoggian-language") == "zog"
+    assert "Paris" in llm.generate("What is the capital of France?", adapter="zoggian-language")
+    assert_identical(base_before, answers(llm))
+    assert_identical(other_before, answers(llm, "blorp"))
+    assert llm.generate("What is the secret colour of the Blorp?", adapter="blorp") == "teal"
+
+
+def test_rephrasings_the_training_never_saw(llm):
+    if "zoggian-language" not in [a["name"] for a in llm.adapters()]:
+        llm.learn(ZOG, adapter="zoggian-language")
+    unseen = ["How do you greet someone in Zoggian?", "What is 'hello' in the Zoggian language?"]
+    assert [llm.generate(q, adapter="zoggian-language") for q in unseen] == ["zog", "zog"]
+
+
+def test_five_skills_accumulate_in_one_adapter(llm):
+    facts = [("What is the password of the blue door?", "marmalade"),
+             ("Who guards the silver bridge?", "Captain Ferrow"),
+             ("What does the Blix fruit taste like?", "pepper and honey"),
+             ("Which planet do the Quorlings come from?", "Tessaly"),
+             ("What is the name of Mia's robot?", "Bolt-7")]
+    for prompt, response in facts:
+        assert llm.learn([{"prompt": prompt, "response": response}], adapter="facts")["verified"]
+    for prompt, response in facts:
+        assert llm.generate(prompt, adapter="facts") == response
+    assert [a for a in llm.adapters() if a["name"] == "facts"][0]["versions"] == [0, 1, 2, 3, 4, 5]
+
+
+def test_generation_streams_while_a_job_runs(llm):
+    token_times, events = [], []
+
+    def consume():
+        for _ in llm.stream("Tell me a long story about a lighthouse keeper.", max_tokens=300, ignore_eos=True):
+            token_times.append(time.monotonic())
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    while len(token_times) < 3:
+        time.sleep(0.01)
+    job = llm.submit_learn([{"prompt": "What colour is the sky on Zorb?", "response": "green"}], adapter="zorb",
+                           on_event=lambda e: events.append((time.monotonic(), e)))
+    job.wait(600)
+    reader.join()
+    started = next(t for t, e in events if e["state"] == "running")
+    ended = next(t for t, e in events if e["state"] == "done")
+    during = [t for t in token_times if started <= t <= ended]
+    assert len(during) >= 5, f"only {len(during)} tokens streamed during the {ended - started:.1f} s job"
+    assert [e["state"] for _, e in events][:2] == ["queued", "running"] and events[-1][1]["state"] == "done"
+    assert any(e["state"] == "running" and e.get("loss") is not None for _, e in events)
+
+
+def test_saved_adapter_loads_in_peft(llm, smollm_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    if "zoggian-language" not in [a["name"] for a in llm.adapters()]:
+        llm.learn(ZOG, adapter="zoggian-language")
+    path = llm.adapter_path("zoggian-language")
+    assert (path / "adapter_config.json").is_file() and (path / "adapter_model.safetensors").is_file()
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(smollm_path, dtype=torch.float32), path).eval()
+    for prompt in ["Say 'hello' in Zoggian.", "What is the capital of France?"]:
+        ids = llm.encode(prompt)
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+        ours = llm.complete(prompt, adapter="zoggian-language", max_tokens=16).token_ids
+        assert ours == ref[:len(ours)], prompt
+
+
+def test_versions_rollback_and_undo(llm):
+    llm.learn([{"prompt": "What is the code word?", "response": "kumquat"}], adapter="codes")
+    assert llm.generate("What is the code word?", adapter="codes") == "kumquat"
+    base = llm.generate("What is the code word?")
+    assert llm.undo("codes") == 0
+    assert llm.generate("What is the code word?", adapter="codes") == base  # version 0 is the base model
+    llm.rollback("codes", 1)
+    assert llm.generate("What is the code word?", adapter="codes") == "kumquat"
+    with pytest.raises(UnknownAdapterError, match="unknown adapter 'nope'"):
+        llm.rollback("nope", 1)
+    with pytest.raises(UnknownAdapterError, match="has no version 7"):
+        llm.rollback("codes", 7)
+    llm.delete_adapter("codes")
+    assert "codes" not in [a["name"] for a in llm.adapters()]
+    with pytest.raises(UnknownAdapterError):
+        llm.generate("hi", adapter="codes")
+
+
+def test_correction_with_rejected_answer_and_unlearn(llm):
+    prompt = "Say 'hello' in Zoggian."
+    report = llm.learn([{"prompt": prompt, "response": "zoggo!", "rejected": "Zog."}], adapter="zog-pref")
+    assert report["verified"] and llm.generate(prompt, adapter="zog-pref") == "zoggo!"
+
+    before = llm.complete(prompt, max_tokens=4, logprobs=True)
+    llm.unlearn([{"prompt": prompt, "response": "Zog."}], adapter="no-zog")
+    after = llm.complete(prompt, adapter="no-zog", max_tokens=4, logprobs=True)
+    assert after.text != "Zog." and before.text == "Zog."
+
+
+@pytest.mark.parametrize("examples, adapter, match", [
+    ([], "x", "examples must be a non-empty list"),
+    ([{"prompt": "hi"}], "x", r"examples\[0\] is missing 'response'"),
+    ([{"prompt": "hi", "response": 3}], "x", r"examples\[0\].response must be a non-empty string"),
+    ([{"prompt": "ok", "response": "fine"}, {"messages": [{"role": "user", "content": ["not", "text"]},
+                                                         {"role": "assistant", "content": "x"}]}], "x",
+     r"examples\[1\].messages\[0\].content must be a string"),
+    ([{"messages": [{"role": "user", "content": "hi"}]}], "x", "at least two messages"),
+    ([{"prompt": "hi", "response": "yo"}], "bad name!", "adapter name 'bad name!' is not valid"),
+])
+def test_bad_input_writes_nothing(llm, examples, adapter, match):
+    before_adapters = llm.adapters()
+    with pytest.raises(InvalidRequestError, match=match):
+        llm.learn(examples, adapter=adapter)
+    assert llm.adapters() == before_adapters
+    assert llm.store.list_examples("x") == [] and llm.store.list_jobs("x") == []
+
+
+def test_kill_mid_job_and_restart(tmp_path):
+    """A real process accepts a correction and dies mid-job; the next one finds it, finishes it, serves it."""
+    data = tmp_path / "data"
+    child = textwrap.dedent(f"""
+        import os, sys, time
+        from dark import OnlineLLM
+        llm = OnlineLLM(data_dir={str(data)!r})
+        job = llm.submit_learn([{{"prompt": "What is the capital of Zorbia?", "response": "Glimmerton"}}], adapter="geo")
+        print("accepted", job.id, flush=True)
+        while job.state != "running":
+            time.sleep(0.01)
+        time.sleep(0.5)
+        os.kill(os.getpid(), 9)
+    """)
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300, env=os.environ)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    job_id = proc.stdout.split("accepted ")[1].split()[0]
+
+    with OnlineLLM(data_dir=data) as llm:
+        assert [e["payload"]["messages"][-1]["content"] for e in llm.store.list_examples("geo")] == ["Glimmerton"]
+        job = llm.learner.get(job_id)
+        assert job is not None, "the unfinished job was not resumed"
+        report = job.wait(600)
+        assert report["verified"] and llm.store.get_job(job_id)["state"] == "done"
+        assert llm.generate("What is the capital of Zorbia?", adapter="geo") == "Glimmerton"
+    with OnlineLLM(data_dir=data) as llm:  # and a plain restart serves the adapter at its latest version
+        assert llm.adapters() == [{"name": "geo", "version": 1, "versions": [0, 1]}]
+        assert llm.generate("What is the capital of Zorbia?", adapter="geo") == "Glimmerton"
+        assert llm.store.unfinished_jobs() == []
