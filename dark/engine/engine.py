@@ -48,6 +48,8 @@ class Engine:
         self._wake = threading.Condition()
         self._closed = False
         self._by_id: dict[int, Sequence] = {}
+        # serving outranks training: the GPU picks this stream's kernels first when both have work queued
+        self.stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         self._thread = threading.Thread(target=self._loop, name="dark-engine", daemon=True)
         self._thread.start()
 
@@ -99,6 +101,8 @@ class Engine:
 
     # --- engine thread ---
     def _loop(self) -> None:
+        if self.stream is not None:
+            torch.cuda.set_stream(self.stream)
         while True:
             with self._wake:
                 while not self._inbox and not self.scheduler.has_work() and not self._closed:

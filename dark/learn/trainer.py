@@ -201,18 +201,21 @@ class Trainer:
         losses, verified, kept, step = [], False, True, 0
         rng = random.Random(0)
         while True:
+            # every check describes the weights as they are now, before this step's update: stop with them
             batch = self._pick(sft, cfg.batch_size, rng)
-            loss, check = self._sft_loss(batch, lora)
-            loss_total = loss
+            loss_total, verified = torch.zeros((), device=self.device), True
+            if batch:
+                loss_total, check = self._sft_loss(batch, lora)
+                verified = check is None or check.max().item() <= threshold
             if prefs:
-                loss_total = loss_total + cfg.dpo_weight * self._pref_loss(prefs, lora, cfg.dpo_beta)
+                pref, forgotten = self._pref_loss(prefs, lora, cfg.dpo_beta)
+                loss_total = loss_total + cfg.dpo_weight * pref
+                verified = verified and forgotten
             if anchors:
                 kl, kept = self._anchor_loss(anchors, lora, cfg.anchor_loss)
                 loss_total = loss_total + cfg.kl_weight * kl
-            # the checks describe the weights as they are now, before this step's update: stop with them
-            verified = bool(check is not None and check.max().item() <= threshold) and all(i in batch for i in sft if i.verify)
             log.debug("step %d loss %.4f verified %s anchors kept %s", step, loss_total.item(), verified, kept)
-            if verified and step >= cfg.min_steps and low_precision:
+            if verified and batch and step >= cfg.min_steps and low_precision:
                 # training ran under bf16 autocast: confirm in the precision that serves before stopping
                 verified, kept = self._confirm(batch, anchors, lora, threshold)
             if (verified and kept and step >= cfg.min_steps) or step >= cfg.max_steps:
@@ -253,16 +256,20 @@ class Trainer:
         check = worst[verify_rows] if bool(verify_rows.any()) else None
         return per_item.mean(), check
 
-    def _pref_loss(self, prefs: list[Item], lora, beta: float) -> torch.Tensor:
-        terms = []
+    def _pref_loss(self, prefs: list[Item], lora, beta: float) -> tuple[torch.Tensor, bool]:
+        """DPO for corrections, and its one-sided form for unlearn; also whether every unlearned answer has
+        stopped being the greedy one (some token of it is no longer the model's first choice)."""
+        terms, forgotten = [], True
         for item in prefs:
             seqs = [item.rendered, item.rejected] if item.kind == "dpo" else [item.rejected]
-            lp, owner, _ = self._token_logprobs(seqs, lora)
+            lp, owner, full = self._token_logprobs(seqs, lora)
             total = torch.zeros(len(seqs), device=self.device).index_add(0, owner, lp)
             delta = total - item.ref
             margin = delta[0] - delta[1] if item.kind == "dpo" else -delta[0]
             terms.append(-F.logsigmoid(beta * margin))
-        return torch.stack(terms).mean()
+            if item.kind == "unlearn":
+                forgotten = forgotten and not bool((lp >= full.max(-1).values).all())
+        return torch.stack(terms).mean(), forgotten
 
     def _anchor_loss(self, anchors: list[Item], lora, mode: str) -> tuple[torch.Tensor, bool]:
         """Keep the anchors' answers, and say whether every greedy choice on them is unchanged.
