@@ -89,7 +89,7 @@ class LearnConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     augment: bool = True             # also train on simple rewordings of each taught prompt
-    cpu_bf16: bool = True            # on a CPU with bf16 instructions, train under bf16 autocast (about 1.7x faster)
+    cpu_bf16: bool = False           # on a CPU with bf16 instructions, train under bf16 autocast (then confirm in fp32)
 
     def validate(self) -> "LearnConfig":
         _check(self.lr > 0, "lr must be positive")

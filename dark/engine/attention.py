@@ -77,3 +77,30 @@ class DenseCausalAttention:
         # right padding: a real token never attends to a later (padded) position under the causal mask
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
         return out.transpose(1, 2).reshape(b * n, q.shape[1], q.shape[3])
+
+
+class SharedPrefixAttention:
+    """Training batches whose sequences all start with the same tokens (system prompt, tool list, template).
+
+    The flat batch holds the shared prefix once ([prefix] tokens), then each sequence's remaining tokens,
+    right-padded to `length`. Prefix tokens attend causally among themselves; every suffix token attends to
+    the whole prefix and causally to its own sequence. Same result as running each sequence in full, with the
+    prefix computed once.
+    """
+
+    def __init__(self, prefix: int, batch: int, length: int, device):
+        self.prefix, self.batch, self.length = prefix, batch, length
+        i = torch.arange(length, device=device)
+        self.mask = torch.cat([torch.ones(length, prefix, dtype=torch.bool, device=device), i[None, :] <= i[:, None]], 1)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        p, b, n = self.prefix, self.batch, self.length
+        heads, dim = q.shape[1], q.shape[2]
+        gqa = k.shape[1] != heads
+        pre = [t[:p].transpose(0, 1)[None] for t in (q, k, v)]  # [1, heads, p, dim]
+        out_p = F.scaled_dot_product_attention(*pre, is_causal=True, enable_gqa=gqa)
+        qs, ks, vs = (t[p:].view(b, n, t.shape[1], dim).transpose(1, 2) for t in (q, k, v))
+        keys = torch.cat([pre[1].expand(b, -1, -1, -1), ks], 2)
+        values = torch.cat([pre[2].expand(b, -1, -1, -1), vs], 2)
+        out_s = F.scaled_dot_product_attention(qs, keys, values, attn_mask=self.mask, enable_gqa=gqa)
+        return torch.cat([out_p[0].transpose(0, 1), out_s.transpose(1, 2).reshape(b * n, heads, dim)])

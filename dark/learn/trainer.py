@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import LearnConfig
-from ..engine.attention import DenseCausalAttention
+from ..engine.attention import SharedPrefixAttention
 from ..lora.weights import AdapterWeights
 from ..models.decoder import CausalLM
 from .data import Rendered, render, rewordings
@@ -86,21 +86,32 @@ class Trainer:
         self.stream = torch.cuda.Stream(device=device, priority=0) if device.type == "cuda" else None
 
     # --- batches ---
-    def _forward(self, seqs: list[list[int]], lora) -> tuple[torch.Tensor, int]:
-        """Hidden states of right-padded sequences -> ([batch * length, hidden], length)."""
-        n = max(len(s) for s in seqs)
-        ids = torch.tensor([s + [0] * (n - len(s)) for s in seqs], device=self.device)
-        pos = torch.arange(n, device=self.device).repeat(len(seqs))
-        hidden = self.model.hidden_states(ids.flatten(), pos, DenseCausalAttention(len(seqs), n), lora)
-        return hidden, n
+    def _forward(self, rendered: list[Rendered], lora) -> tuple[torch.Tensor, int, int]:
+        """Hidden states of a batch whose common prefix (up to the first prediction) is computed once.
 
-    def _targets(self, labels: list[list[int]], n: int):
+        Returns (hidden [prefix + batch * length, hidden size], prefix, length): token t >= prefix of sequence
+        b sits at row prefix + b * length + t - prefix.
+        """
+        seqs = [r.input_ids for r in rendered]
+        first = min(next(i for i, label in enumerate(r.labels) if label != -100) for r in rendered)
+        p = 0
+        limit = min(first - 1, min(len(s) for s in seqs) - 1)
+        while p < limit and all(s[p] == seqs[0][p] for s in seqs):
+            p += 1
+        n = max(len(s) for s in seqs) - p
+        ids = seqs[0][:p] + [t for s in seqs for t in s[p:] + [0] * (n - len(s) + p)]
+        pos = list(range(p)) + list(range(p, p + n)) * len(seqs)
+        dev = self.device
+        attn = SharedPrefixAttention(p, len(seqs), n, dev)
+        return self.model.hidden_states(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), attn, lora), p, n
+
+    def _targets(self, labels: list[list[int]], p: int, n: int):
         """Rows of the flat hidden states that predict a labelled token, the tokens, and each row's sequence."""
         rows, targets, owner = [], [], []
         for b, lab in enumerate(labels):
             for t in range(len(lab) - 1):
                 if lab[t + 1] != -100:
-                    rows.append(b * n + t)
+                    rows.append(b * n + t)  # = p + b * n + (t - p)
                     targets.append(lab[t + 1])
                     owner.append(b)
         dev = self.device
@@ -108,8 +119,8 @@ class Trainer:
 
     def _token_logprobs(self, rendered: list[Rendered], lora) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Log-probability of every labelled token, its sequence index, and the full log-softmax rows."""
-        hidden, n = self._forward([r.input_ids for r in rendered], lora)
-        rows, targets, owner = self._targets([r.labels for r in rendered], n)
+        hidden, p, n = self._forward(rendered, lora)
+        rows, targets, owner = self._targets([r.labels for r in rendered], p, n)
         logp = torch.log_softmax(self.model.logits(hidden[rows], lora), -1)
         return logp.gather(1, targets[:, None])[:, 0], owner, logp
 
@@ -203,17 +214,12 @@ class Trainer:
         while True:
             # every check describes the weights as they are now, before this step's update: stop with them
             batch = self._pick(sft, cfg.batch_size, rng)
-            loss_total, verified = torch.zeros((), device=self.device), True
-            if batch:
-                loss_total, check = self._sft_loss(batch, lora)
-                verified = check is None or check.max().item() <= threshold
+            loss_total, verified, kept = self._sft_and_anchor_losses(batch, anchors, lora, cfg)
+            verified = verified <= threshold
             if prefs:
                 pref, forgotten = self._pref_loss(prefs, lora, cfg.dpo_beta)
                 loss_total = loss_total + cfg.dpo_weight * pref
                 verified = verified and forgotten
-            if anchors:
-                kl, kept = self._anchor_loss(anchors, lora, cfg.anchor_loss)
-                loss_total = loss_total + cfg.kl_weight * kl
             log.debug("step %d loss %.4f verified %s anchors kept %s", step, loss_total.item(), verified, kept)
             if verified and batch and step >= cfg.min_steps and low_precision:
                 # training ran under bf16 autocast: confirm in the precision that serves before stopping
@@ -234,9 +240,8 @@ class Trainer:
 
     def _confirm(self, batch: list[Item], anchors: list[Item], lora, threshold: float) -> tuple[bool, bool]:
         with torch.no_grad(), torch.autocast("cpu", enabled=False):
-            _, check = self._sft_loss(batch, lora)
-            kept = self._anchor_loss(anchors, lora, "kl")[1] if anchors else True
-        return check is None or check.max().item() <= threshold, kept
+            _, worst, kept = self._sft_and_anchor_losses(batch, anchors, lora, LearnConfig())
+        return worst <= threshold, kept
 
     @staticmethod
     def _pick(sft: list[Item], size: int, rng: random.Random) -> list[Item]:
@@ -245,16 +250,36 @@ class Trainer:
         rest = [i for i in sft if not i.verify]
         return must + rng.sample(rest, min(len(rest), max(0, min(size - len(must), len(must)))))
 
-    def _sft_loss(self, batch: list[Item], lora):
-        lp, owner, _ = self._token_logprobs([i.rendered for i in batch], lora)
-        nll = -lp
-        # each example counts the same, whatever its length
-        count = torch.zeros(len(batch), device=self.device).index_add(0, owner, torch.ones_like(nll))
-        per_item = torch.zeros(len(batch), device=self.device).index_add(0, owner, nll) / count.clamp(min=1)
-        worst = torch.full((len(batch),), -1.0, device=self.device).scatter_reduce(0, owner, nll.detach(), "amax")
-        verify_rows = torch.tensor([i.verify for i in batch], device=self.device)
-        check = worst[verify_rows] if bool(verify_rows.any()) else None
-        return per_item.mean(), check
+    def _sft_and_anchor_losses(self, batch: list[Item], anchors: list[Item], lora, cfg: LearnConfig):
+        """One forward pass over the taught items and the anchors (they share the template's prefix).
+
+        Returns (loss, the worst negative log-probability of a taught token among the items checked for
+        verification (0 when none), whether every anchor's greedy choices are unchanged).
+        """
+        if not batch and not anchors:
+            return torch.zeros((), device=self.device), 0.0, True
+        chosen, owner, logp = self._token_logprobs([i.rendered for i in batch] + [a.rendered for a in anchors], lora)
+        loss, worst, kept = torch.zeros((), device=self.device), 0.0, True
+        nb = len(batch)
+        taught = owner < nb
+        if nb:
+            nll, who = -chosen[taught], owner[taught]
+            # each example counts the same, whatever its length
+            count = torch.zeros(nb, device=self.device).index_add(0, who, torch.ones_like(nll))
+            loss = (torch.zeros(nb, device=self.device).index_add(0, who, nll) / count.clamp(min=1)).mean()
+            checked = torch.tensor([i.verify for i in batch], device=self.device)[who]
+            if bool(checked.any()):
+                worst = nll.detach()[checked].max().item()
+        if anchors:
+            a_chosen, a_logp = chosen[~taught], logp[~taught]
+            ref = torch.cat([a.ref for a in anchors])
+            kept = bool((a_logp.argmax(-1) == ref.argmax(-1)).all())
+            # "replay" (cross-entropy on the adapter-free model's own answers) has a gradient where the adapter
+            # starts, unlike KL, so it holds near-ties from the first step instead of repairing them later
+            anchor = -a_chosen.mean() if cfg.anchor_loss == "replay" else \
+                F.kl_div(a_logp, ref, log_target=True, reduction="batchmean")
+            loss = loss + cfg.kl_weight * anchor
+        return loss, worst, kept
 
     def _pref_loss(self, prefs: list[Item], lora, beta: float) -> tuple[torch.Tensor, bool]:
         """DPO for corrections, and its one-sided form for unlearn; also whether every unlearned answer has
@@ -270,16 +295,3 @@ class Trainer:
             if item.kind == "unlearn":
                 forgotten = forgotten and not bool((lp >= full.max(-1).values).all())
         return torch.stack(terms).mean(), forgotten
-
-    def _anchor_loss(self, anchors: list[Item], lora, mode: str) -> tuple[torch.Tensor, bool]:
-        """Keep the anchors' answers, and say whether every greedy choice on them is unchanged.
-
-        "replay" is cross-entropy on the adapter-free model's own answers: unlike KL, its gradient is not zero
-        where the adapter starts, so it holds near-ties from the first step instead of repairing them later.
-        """
-        chosen, _, logp = self._token_logprobs([a.rendered for a in anchors], lora)
-        ref = torch.cat([a.ref for a in anchors])
-        kept = bool((logp.argmax(-1) == ref.argmax(-1)).all())
-        if mode == "replay":
-            return -chosen.mean(), kept
-        return F.kl_div(logp, ref, log_target=True, reduction="batchmean"), kept
