@@ -190,3 +190,18 @@ def test_kill_mid_job_and_restart(tmp_path):
         assert llm.adapters() == [{"name": "geo", "version": 1, "versions": [0, 1]}]
         assert llm.generate("What is the capital of Zorbia?", adapter="geo") == "Glimmerton"
         assert llm.store.unfinished_jobs() == []
+
+
+def test_optimizer_state_survives_a_restart(tmp_path):
+    ex = [{"prompt": "What is the code of the vault?", "response": "4417"}]
+    with OnlineLLM(data_dir=tmp_path) as llm:
+        llm.learn(ex, adapter="vault")
+        saved = torch.load(tmp_path / "adapters" / "vault" / "optimizer.pt", weights_only=True)
+        assert saved["state"] and all(int(s["step"]) >= 1 for s in saved["state"].values())
+    with OnlineLLM(data_dir=tmp_path) as llm:
+        assert llm.learner._load_optimizer("vault")["state"].keys() == saved["state"].keys()
+        llm.learn([{"prompt": "What is the code of the safe?", "response": "9021"}], adapter="vault")
+        steps = torch.load(tmp_path / "adapters" / "vault" / "optimizer.pt", weights_only=True)["state"]
+        assert all(int(steps[k]["step"]) > int(saved["state"][k]["step"]) for k in steps)  # the moments carried on
+        llm.rollback("vault", 1)
+        assert not (tmp_path / "adapters" / "vault" / "optimizer.pt").exists()

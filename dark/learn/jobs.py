@@ -67,7 +67,7 @@ class Learner:
         self.trainer = Trainer(llm.model, llm.tokenizer, engine.device, self._base_answers)
         self._queue: deque[tuple[LearnJob, dict]] = deque()
         self._jobs: dict[str, LearnJob] = {}
-        self._optimizer: dict[str, dict] = {}
+        self._optimizer: dict[str, dict] = {}  # per adapter, also on disk so corrections accumulate across restarts
         self._wake = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="dark-learn", daemon=True)
@@ -140,10 +140,10 @@ class Learner:
     def _enqueue(self, row: dict, on_event=None) -> LearnJob:
         job = LearnJob(row["id"], row["adapter"], on_event)
         self._jobs[job.id] = job
+        job._emit(state="queued")  # before the worker can see it, so "queued" always comes first
         with self._wake:
             self._queue.append((job, row))
             self._wake.notify()
-        job._emit(state="queued")
         return job
 
     def resume(self) -> list[LearnJob]:
@@ -151,7 +151,23 @@ class Learner:
         return [self._enqueue(row) for row in self.store.unfinished_jobs()]
 
     def forget_optimizer(self, name: str) -> None:
+        """After a rollback the moments belong to weights no longer served: start them afresh."""
         self._optimizer.pop(name, None)
+        (self.dir / name / "optimizer.pt").unlink(missing_ok=True)
+
+    def _load_optimizer(self, name: str) -> dict | None:
+        if name not in self._optimizer:
+            path = self.dir / name / "optimizer.pt"
+            if path.is_file():
+                self._optimizer[name] = torch.load(path, map_location="cpu", weights_only=True)
+        return self._optimizer.get(name)
+
+    def _save_optimizer(self, name: str, state: dict) -> None:
+        self._optimizer[name] = state
+        path = self.dir / name / "optimizer.pt"
+        tmp = path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, path)
 
     def get(self, job_id: str) -> LearnJob | None:
         return self._jobs.get(job_id)
@@ -179,7 +195,7 @@ class Learner:
             items = self.trainer.build_items([e["payload"] for e in mine], earlier[-cfg.replay:] if cfg.replay else [], kind, cfg)
             mgr = self.llm.engine.adapters
             parent = mgr.current(name)
-            result = self.trainer.train(mgr.weights(name, parent), self._optimizer.get(name), items, cfg,
+            result = self.trainer.train(mgr.weights(name, parent), self._load_optimizer(name), items, cfg,
                                         lambda step, loss: job._emit(state="running", step=step, loss=loss,
                                                                      total_steps=cfg.max_steps))
             version = max(v["version"] for v in self.store.list_versions(name)) + 1
@@ -189,7 +205,7 @@ class Learner:
                       "train_seconds": round(result.seconds, 3),
                       "examples": len(mine)}
             self._publish(name, version, result.weights, parent, report)
-            self._optimizer[name] = result.optimizer_state
+            self._save_optimizer(name, result.optimizer_state)
             self.store.update_job(job.id, state="done", report=report)
             job.report = report
             job._emit(state="done", version=version, verified=result.verified, report=report)

@@ -220,7 +220,8 @@ class Trainer:
                 pref, forgotten = self._pref_loss(prefs, lora, cfg.dpo_beta)
                 loss_total = loss_total + cfg.dpo_weight * pref
                 verified = verified and forgotten
-            log.debug("step %d loss %.4f verified %s anchors kept %s", step, loss_total.item(), verified, kept)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("step %d loss %.4f verified %s anchors kept %s", step, loss_total.item(), verified, kept)
             if verified and batch and step >= cfg.min_steps and low_precision:
                 # training ran under bf16 autocast: confirm in the precision that serves before stopping
                 verified, kept = self._confirm(batch, anchors, lora, threshold)
@@ -236,7 +237,9 @@ class Trainer:
                 on_step(step, losses[-1])
         out = AdapterWeights(weights.config, {k: (a.detach().float().cpu(), b.detach().float().cpu()) for k, (a, b) in params.items()},
                              weights.scaling)
-        return TrainResult(out, opt.state_dict(), step, losses, verified, anchors_kept=kept)
+        state = opt.state_dict()  # kept in host memory between jobs: device memory is for serving
+        state["state"] = {k: {n: v.cpu() if torch.is_tensor(v) else v for n, v in s.items()} for k, s in state["state"].items()}
+        return TrainResult(out, state, step, losses, verified, anchors_kept=kept)
 
     def _confirm(self, batch: list[Item], anchors: list[Item], lora, threshold: float) -> tuple[bool, bool]:
         with torch.no_grad(), torch.autocast("cpu", enabled=False):
@@ -250,6 +253,15 @@ class Trainer:
         rest = [i for i in sft if not i.verify]
         return must + rng.sample(rest, min(len(rest), max(0, min(size - len(must), len(must)))))
 
+    def _joint_logprobs(self, first: list[Rendered], second: list[Rendered], lora):
+        """_token_logprobs of both lists, in one pass when their lengths are alike (the shared prefix is then
+        computed once), in two when one pass would mostly compute padding (short anchors beside long examples)."""
+        lengths = [len(r.input_ids) for r in first], [len(r.input_ids) for r in second]
+        if not first or not second or max(lengths[1]) * 2 >= max(lengths[0]) >= min(lengths[1]) // 2:
+            return self._token_logprobs(first + second, lora)
+        a, b = self._token_logprobs(first, lora), self._token_logprobs(second, lora)
+        return torch.cat([a[0], b[0]]), torch.cat([a[1], b[1] + len(first)]), torch.cat([a[2], b[2]])
+
     def _sft_and_anchor_losses(self, batch: list[Item], anchors: list[Item], lora, cfg: LearnConfig):
         """One forward pass over the taught items and the anchors (they share the template's prefix).
 
@@ -258,7 +270,7 @@ class Trainer:
         """
         if not batch and not anchors:
             return torch.zeros((), device=self.device), 0.0, True
-        chosen, owner, logp = self._token_logprobs([i.rendered for i in batch] + [a.rendered for a in anchors], lora)
+        chosen, owner, logp = self._joint_logprobs([i.rendered for i in batch], [a.rendered for a in anchors], lora)
         loss, worst, kept = torch.zeros((), device=self.device), 0.0, True
         nb = len(batch)
         taught = owner < nb

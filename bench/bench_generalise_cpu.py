@@ -1,0 +1,63 @@
+"""How well a correction carries over to rephrasings the training never saw, and what protects other answers.
+
+    python bench/bench_generalise_cpu.py [--out gen.json]
+
+For each fact, one learn() on the embedded SmolLM2 with the fact's prompt, then exact-match checks of the
+taught answer on unseen rephrasings, and of the unrelated probes against the base model's answers. Run once
+with the rewording augmentation on and once off, and once with each anchor loss (replay, KL).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+
+FACTS = [
+    ("What is the password of the blue door?", "marmalade",
+     ["Tell me the blue door's password.", "What's the password for the blue door?", "blue door password?"]),
+    ("Who guards the silver bridge?", "Captain Ferrow",
+     ["Who is the guard of the silver bridge?", "Which person guards the silver bridge?", "silver bridge guard?"]),
+    ("Which planet do the Quorlings come from?", "Tessaly",
+     ["What planet are the Quorlings from?", "Where do Quorlings come from?", "Home planet of the Quorlings?"]),
+    ("What is the name of Mia's robot?", "Bolt-7",
+     ["What is Mia's robot called?", "Mia has a robot. What's its name?", "name of the robot of Mia?"]),
+]
+PROBES = ["What is the capital of France?", "Name three fruits.", "What is 2+2?", "Who wrote Romeo and Juliet?",
+          "Write one sentence about the ocean.", "What colour is the sky?"]
+
+
+def run(settings: dict) -> dict:
+    from dark import OnlineLLM
+
+    with OnlineLLM(data_dir=tempfile.mkdtemp()) as llm:
+        base = {p: llm.generate(p, max_tokens=24) for p in PROBES}
+        hits = total = kept = kept_total = steps = 0
+        seconds = 0.0
+        for i, (prompt, answer, rephrasings) in enumerate(FACTS):
+            name = f"fact{i}"
+            t = time.perf_counter()
+            report = llm.learn([{"prompt": prompt, "response": answer}], adapter=name, **settings)
+            seconds += time.perf_counter() - t
+            steps += report["steps"]
+            hits += sum(llm.generate(q, adapter=name) == answer for q in rephrasings)
+            total += len(rephrasings)
+            kept += sum(llm.generate(p, adapter=name, max_tokens=24) == base[p] for p in PROBES)
+            kept_total += len(PROBES)
+    return {"settings": settings, "rephrasings_exact": f"{hits}/{total}", "probes_unchanged": f"{kept}/{kept_total}",
+            "mean_steps": steps / len(FACTS), "mean_learn_s": round(seconds / len(FACTS), 2)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    rows = [run(s) for s in ({}, {"augment": False}, {"anchor_loss": "kl"}, {"kl_weight": 0.0})]
+    print(json.dumps(rows, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
