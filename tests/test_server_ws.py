@@ -160,13 +160,13 @@ def test_per_socket_caps_rate_and_inflight(server):
             # more generations than max_inflight (3): the extra one is refused, the others run
             for i in range(4):
                 await s.send({"type": "chat", "id": f"g{i}", "content": "Count to five.",
-                              "sampling": {"max_tokens": 30}})
+                              "sampling": {"max_tokens": 12}})
             refused = await s.next(lambda f: f["type"] == "error")
             assert refused["id"] == "g3" and refused["code"] == "too_many_requests"
             for i in range(3):
                 assert (await s.frames(f"g{i}"))[-1]["type"] == "done"
             # duplicate ids while running
-            await s.send({"type": "chat", "id": "d", "content": "Count to five.", "sampling": {"max_tokens": 30}})
+            await s.send({"type": "chat", "id": "d", "content": "Count to five.", "sampling": {"max_tokens": 12}})
             await s.send({"type": "chat", "id": "d", "content": "again"})
             dup = await s.next(lambda f: f["type"] == "error")
             assert dup["code"] == "duplicate_id"

@@ -119,7 +119,7 @@ class ChatService:
     # --- corrections ---
     def _correct(self, msg: Correct) -> dict:
         learning = self.state.learning
-        learning._api("submit_learn")  # fail before touching the message when this server cannot learn
+        learning.require("submit_learn")  # fail before touching the message when this server cannot learn
         target = self.store.get_message(msg.message_id)
         if target["role"] != "assistant":
             raise InvalidRequestError(f"only assistant replies can be corrected; {msg.message_id} is a "

@@ -124,7 +124,7 @@ class Learning:
     def available(self) -> bool:
         return callable(getattr(self.llm, "submit_learn", None))
 
-    def _api(self, name: str) -> Callable:
+    def require(self, name: str) -> Callable:
         fn = getattr(self.llm, name, None)
         if not callable(fn):
             raise LearningUnavailable(f"this server's model API has no {name}() yet, so it cannot learn or manage "
@@ -135,7 +135,7 @@ class Learning:
     def submit(self, examples: list[dict], adapter: str, kind: str, source: str,
                message_id: str | None = None) -> dict:
         """Queue a learn job; once this returns the examples and the job are stored. Blocking: call off the loop."""
-        submit_learn = self._api("submit_learn")
+        submit_learn = self.require("submit_learn")
         self.ensure_adapter(adapter)
         job = submit_learn(examples, adapter, kind=kind, source=source, message_id=message_id,
                            on_event=self.hub.on_event)
@@ -191,10 +191,10 @@ class Learning:
     def create(self, name: str, r: int = 16, alpha: float | None = None) -> None:
         if self.known(name):
             raise InvalidRequestError(f"adapter {name!r} already exists; pick another name or use it")
-        self._api("create_adapter")
+        self.require("create_adapter")
         self.ensure_adapter(name, r, alpha)
 
-    def list(self) -> list[AdapterInfo]:
+    def list_adapters(self) -> list[AdapterInfo]:
         engine = {a["name"]: a for a in self.llm.adapters()}
         try:
             stored = {a["name"]: a for a in self.store.list_adapters()}
@@ -226,27 +226,27 @@ class Learning:
         return [_version_info(v) for v in (engine_row or {}).get("versions", [])]
 
     def info(self, name: str) -> AdapterInfo:
-        for a in self.list():
+        for a in self.list_adapters():
             if a.name == name:
                 return a
         raise UnknownAdapterError(f"unknown adapter {name!r}; known adapters: "
-                                  f"{', '.join(a.name for a in self.list()) or 'none yet'}")
+                                  f"{', '.join(a.name for a in self.list_adapters()) or 'none yet'}")
 
     def rollback(self, name: str, version: int | None) -> None:
         self.info(name)
         if version is None:
-            self._api("undo")(name)
+            self.require("undo")(name)
         else:
-            self._api("rollback")(name, version)
+            self.require("rollback")(name, version)
         log.info("adapter %s rolled back to %s", name, version if version is not None else "the previous version")
 
     def delete(self, name: str) -> None:
         self.info(name)
-        self._api("delete_adapter")(name)
+        self.require("delete_adapter")(name)
         log.info("adapter %s deleted", name)
 
     def path(self, name: str, version: int | None) -> Path:
         info = self.info(name)
         if not info.versions:
             raise InvalidRequestError(f"adapter {name!r} has no trained version to download yet")
-        return Path(self._api("adapter_path")(name, version))
+        return Path(self.require("adapter_path")(name, version))

@@ -125,7 +125,7 @@ def _finish(reason: str | None) -> str:
 async def list_models(state: AppState = Depends(get_state)) -> dict:
     created = int(state.metrics.started)
     data = [{"id": state.model_name, "object": "model", "created": created, "owned_by": "dark"}]
-    adapters = await asyncio.to_thread(state.learning.list)
+    adapters = await asyncio.to_thread(state.learning.list_adapters)
     for a in adapters:
         data.append({"id": a.name, "object": "model", "created": created, "owned_by": "dark",
                      "parent": state.model_name, "version": a.version})

@@ -102,7 +102,7 @@ async def job(job_id: str, state: AppState = Depends(get_state)) -> dict:
 # --- adapters ---
 @api.get("/adapters")
 async def adapters(state: AppState = Depends(get_state)) -> list[AdapterInfo]:
-    return await asyncio.to_thread(state.learning.list)
+    return await asyncio.to_thread(state.learning.list_adapters)
 
 
 @api.post("/adapters", status_code=201)
@@ -162,7 +162,7 @@ async def metrics(state: AppState = Depends(get_state)) -> PlainTextResponse:
     gauges = [("dark_queue_waiting", "Requests waiting for the engine", waiting, {}),
               ("dark_queue_running", "Requests the engine is generating", running, {})]
     try:
-        for a in await asyncio.to_thread(state.learning.list):
+        for a in await asyncio.to_thread(state.learning.list_adapters):
             gauges.append(("dark_adapter_version", "Current version of each adapter", a.version, {"adapter": a.name}))
         jobs = await asyncio.to_thread(state.store.unfinished_jobs)
         for job_state in ("queued", "running"):

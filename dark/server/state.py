@@ -42,7 +42,7 @@ class AppState:
             return name, name
         if self.learning.known(name):
             return None, name
-        known = sorted(a.name for a in self.learning.list())
+        known = sorted(a.name for a in self.learning.list_adapters())
         raise UnknownAdapterError(f"unknown adapter {name!r}; known adapters: {', '.join(known) or 'none yet'} "
                                   "(create one first, or leave adapter out for the base model)")
 

@@ -223,7 +223,7 @@ class Connection:
 
     # --- adapters ---
     async def _adapters(self, request_id: Any) -> None:
-        adapters = await asyncio.to_thread(self.state.learning.list)
+        adapters = await asyncio.to_thread(self.state.learning.list_adapters)
         self.send(Adapters(id=request_id, adapters=adapters))
 
     async def on_adapters(self, msg: ListAdapters) -> None:
@@ -267,7 +267,7 @@ async def broadcast_adapters(state: AppState, exclude: Connection | None = None)
     if not state.connections:
         return
     try:
-        adapters = await asyncio.to_thread(state.learning.list)
+        adapters = await asyncio.to_thread(state.learning.list_adapters)
     except Exception:
         log.exception("could not list adapters for a broadcast")
         return
