@@ -20,7 +20,7 @@ def parser() -> argparse.ArgumentParser:
                     "LoRA skills from corrections. Every flag can also be set as DARK_<FLAG> (e.g. DARK_API_KEY).")
     p.add_argument("--model", help="HF model id, model folder or .gguf file (default: the embedded SmolLM2-135M "
                                    "on a CPU machine, Qwen2.5-7B-Instruct on CUDA)")
-    p.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 to accept others: set a key)")
+    p.add_argument("--host", help="address to bind (default 0.0.0.0: set an API key, or 127.0.0.1 for this machine only)")
     p.add_argument("--port", type=int, help="port (default 8000)")
     p.add_argument("--data-dir", help="where conversations, adapters and jobs live (default $DARK_HOME/data)")
     p.add_argument("--api-key", help="require this key from every client (prefer DARK_API_KEY: flags show in ps)")

@@ -21,7 +21,7 @@ class ServerSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     model: str | None = Field(None, description="HF id, folder or .gguf file; empty: the default for the device")
-    host: str = "127.0.0.1"
+    host: str = "0.0.0.0"  # reachable on a rented GPU; without an API key this prints a loud warning
     port: int = Field(8000, ge=0, le=65535)
     data_dir: Path | None = Field(None, description="conversations, adapters and jobs; default $DARK_HOME/data")
     api_key: SecretStr | None = Field(None, description="when set, every route but /health and the UI files needs it")
