@@ -23,8 +23,12 @@ FACTS = [
     ("What is the name of Mia's robot?", "Bolt-7",
      ["What is Mia's robot called?", "Mia has a robot. What's its name?", "name of the robot of Mia?"]),
 ]
-PROBES = ["What is the capital of France?", "Name three fruits.", "What is 2+2?", "Who wrote Romeo and Juliet?",
-          "Write one sentence about the ocean.", "What colour is the sky?"]
+# none of these is an anchor prompt: they measure what the anchors do for prompts nobody listed
+PROBES = ["What is 2+2?", "Who wrote Romeo and Juliet?", "What colour is the sky?", "Name a large animal.",
+          "What is the boiling point of water?", "Say good morning in Spanish."]
+MORE_ANCHORS = ["What is the capital of France?", "Write one sentence about the ocean.", "Name three fruits.",
+                "What is 10 times 3?", "Who painted the Mona Lisa?", "Give me a word that rhymes with cat.",
+                "What is the largest planet?", "Translate 'thank you' into French."]
 
 
 def run(settings: dict) -> dict:
@@ -51,8 +55,12 @@ def run(settings: dict) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
+    ap.add_argument("--configs", type=int, default=5, help="run only the first N settings")
     args = ap.parse_args()
-    rows = [run(s) for s in ({}, {"augment": False}, {"anchor_loss": "kl"}, {"kl_weight": 0.0})]
+    import sys
+
+    configs = [{}, {"anchor_prompts": MORE_ANCHORS}, {"augment": False}, {"anchor_loss": "kl"}, {"kl_weight": 0.0}]
+    rows = [run(s) for s in (configs[:int(sys.argv[sys.argv.index("--configs") + 1])] if "--configs" in sys.argv else configs)]
     print(json.dumps(rows, indent=1))
     if args.out:
         with open(args.out, "w") as f:

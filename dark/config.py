@@ -84,6 +84,7 @@ class LearnConfig:
     replay: int = 24                 # earlier examples of the same adapter replayed in each job, so skills accumulate
     kl_weight: float = 1.0           # keep answers to unrelated anchor prompts where the adapter-free model had them
     anchor_loss: str = "replay"      # "replay": train on the base model's own answers; "kl": KL to its distributions
+    anchor_prompts: tuple[str, ...] = ()  # prompts whose adapter-free answers must not change; empty: a built-in set
     dpo_beta: float = 0.5            # preference strength for corrections (the replaced answer is rejected)
     dpo_weight: float = 0.5
     weight_decay: float = 0.0
@@ -98,5 +99,11 @@ class LearnConfig:
         _check(0 < self.verify_min_prob < 1, "verify_min_prob must be in (0, 1)")
         _check(self.batch_size >= 1 and self.replay >= 0, "batch_size must be >= 1 and replay >= 0")
         _check(self.anchor_loss in ("replay", "kl"), "anchor_loss must be 'replay' or 'kl'")
+        self.anchor_prompts = tuple(self.anchor_prompts)
+        _check(all(isinstance(p, str) and p.strip() for p in self.anchor_prompts), "anchor_prompts must be non-empty strings")
+        if not self.anchor_prompts:
+            from .learn.trainer import ANCHOR_PROMPTS
+
+            self.anchor_prompts = ANCHOR_PROMPTS
         _check(self.kl_weight >= 0 and self.dpo_weight >= 0 and self.dpo_beta > 0, "kl_weight, dpo_weight must be >= 0 and dpo_beta > 0")
         return self

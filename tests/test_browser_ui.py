@@ -11,7 +11,7 @@ import pytest
 
 from dark import OnlineLLM
 from dark.server import ServerSettings, create_app
-from dark.server.testing import ServerThread, quick_learning
+from dark.server.testing import ServerThread
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -35,7 +35,7 @@ sync_api = pytest.importorskip("playwright.sync_api")
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    with OnlineLLM(max_model_len=1024, data_dir=tmp_path_factory.mktemp("ui-data"), **quick_learning()) as llm:
+    with OnlineLLM(max_model_len=1024, data_dir=tmp_path_factory.mktemp("ui-data")) as llm:
         yield llm
 
 

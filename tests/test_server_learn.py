@@ -13,7 +13,7 @@ import pytest
 
 from dark import OnlineLLM
 from dark.server import ServerSettings, create_app
-from dark.server.testing import ServerThread, WsSession, quick_learning
+from dark.server.testing import ServerThread, WsSession
 
 if not hasattr(OnlineLLM, "submit_learn"):
     pytest.skip("OnlineLLM has no learning API yet", allow_module_level=True)
@@ -27,7 +27,7 @@ class Life:
     """One server process's worth: an OnlineLLM on a data directory, and the app on a real server."""
 
     def __init__(self, data_dir):
-        self.llm = OnlineLLM(max_model_len=1024, data_dir=data_dir, **quick_learning())
+        self.llm = OnlineLLM(max_model_len=1024, data_dir=data_dir)
         self.server = ServerThread(create_app(self.llm, ServerSettings(default_max_tokens=24))).start()
         self.closed = False
 

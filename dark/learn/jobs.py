@@ -187,7 +187,7 @@ class Learner:
         try:
             self.store.update_job(job.id, state="running")
             job._emit(state="running", step=0, loss=None, total_steps=None)
-            cfg = LearnConfig(**row["config"]) if row.get("config") else self.config
+            cfg = LearnConfig(**row["config"]).validate() if row.get("config") else self.config
             examples = self.store.list_examples(name)
             mine = [e for e in examples if e["id"] in set(row["example_ids"])]
             kind = {"sft": "sft", "preference": "sft", "unlearn": "unlearn"}[mine[0]["kind"]]

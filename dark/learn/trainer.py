@@ -28,11 +28,11 @@ from .data import Rendered, render, rewordings
 
 log = logging.getLogger(__name__)
 
-ANCHOR_PROMPTS = [
+ANCHOR_PROMPTS = (
     "What is the capital of France?",
     "Write one sentence about the ocean.",
     "Name three fruits.",
-]
+)
 ANCHOR_TOKENS = 16
 
 
@@ -82,7 +82,7 @@ class Trainer:
     def __init__(self, model: CausalLM, tokenizer, device: torch.device, base_answers: Callable[[list[str]], list[str]]):
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self._base_answers = base_answers   # the adapter-free model's greedy answers to the anchor prompts
-        self._anchors: list[Item] | None = None
+        self._anchors: dict[str, Item] = {}  # per anchor prompt, with its adapter-free reference once computed
         self.stream = torch.cuda.Stream(device=device, priority=0) if device.type == "cuda" else None
 
     # --- batches ---
@@ -125,27 +125,26 @@ class Trainer:
         return logp.gather(1, targets[:, None])[:, 0], owner, logp
 
     # --- anchors and references ---
-    def anchors(self) -> list[Item]:
-        if self._anchors is None:
-            answers = self._base_answers(ANCHOR_PROMPTS)
-            items = []
-            for prompt, answer in zip(ANCHOR_PROMPTS, answers):
+    def anchors(self, prompts=ANCHOR_PROMPTS) -> list[Item]:
+        new = [p for p in prompts if p not in self._anchors]
+        if new:
+            for prompt, answer in zip(new, self._base_answers(new)):
                 if answer.strip():
                     r = render(self.tokenizer, [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}])
                     # the opening of an answer decides where it goes; a cut-off answer must not learn to end there
                     first = next(i for i, label in enumerate(r.labels) if label != -100)
                     end = min(len(r.input_ids), first + ANCHOR_TOKENS)
-                    items.append(Item(Rendered(r.input_ids[:end], r.labels[:end]), "kl"))
-            self._anchors = items
-        return self._anchors
+                    self._anchors[prompt] = Item(Rendered(r.input_ids[:end], r.labels[:end]), "kl")
+        return [self._anchors[p] for p in prompts if p in self._anchors]
 
     def _reference_anchors(self, anchors: list[Item]) -> None:
         """Adapter-free distributions on the anchors, computed the way training computes (same precision)."""
-        if anchors and anchors[0].ref is None:
+        todo = [a for a in anchors if a.ref is None]
+        if todo:
             # in the precision that serves: a near tie must fall the same way it falls for users
             with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
-                _, owner, full = self._token_logprobs([a.rendered for a in anchors], None)
-                for b, a in enumerate(anchors):
+                _, owner, full = self._token_logprobs([a.rendered for a in todo], None)
+                for b, a in enumerate(todo):
                     a.ref = full[owner == b]
 
     def _reference(self, items: list[Item]) -> None:
@@ -203,7 +202,7 @@ class Trainer:
             except (ValueError, KeyError):
                 log.warning("optimizer state does not fit this adapter; starting it afresh")
         lora = TrainLoRA(params, weights.scaling)
-        anchors = self.anchors() if cfg.kl_weight > 0 else []
+        anchors = self.anchors(cfg.anchor_prompts) if cfg.kl_weight > 0 else []
         self._reference(items)
         self._reference_anchors(anchors)
         sft = [i for i in items if i.kind == "sft"]

@@ -146,18 +146,3 @@ class WsSession:
         message = {"id": self.new_id(), **message}
         await self.send(message)
         return await self.frames(message["id"], timeout)
-
-
-def quick_learning() -> dict:
-    """OnlineLLM keyword arguments for server tests that need a learn job to finish in seconds on a CPU: no
-    anchor (KL) term and no prompt rewordings. Tests of the learner itself use its defaults."""
-    import inspect
-
-    from ..llm import OnlineLLM
-
-    if "learn" not in inspect.signature(OnlineLLM.__init__).parameters:
-        return {}
-    from .. import config
-
-    fields = getattr(getattr(config, "LearnConfig", None), "__dataclass_fields__", {})
-    return {"learn": {k: v for k, v in {"kl_weight": 0.0, "augment": False}.items() if k in fields}}
