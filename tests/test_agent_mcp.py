@@ -108,20 +108,24 @@ def test_async_calls_from_another_loop(servers):
 
 def test_failures_are_reported_quickly(tmp_path):
     crash = [sys.executable, "-c", "import sys; sys.stderr.write('fatal: MY_API_KEY is not set\\n'); sys.exit(2)"]
+    leak = [sys.executable, "-c", "import os, sys; sys.stderr.write('bad key ' + os.environ['MY_KEY']); sys.exit(1)"]
     start = time.monotonic()
     mgr = MCPManager({"mcpServers": {
         "missing": {"command": str(tmp_path / "no-such-binary")},
         "crash": {"command": crash[0], "args": crash[1:]},
+        "leak": {"command": leak[0], "args": leak[1:], "env": {"MY_KEY": "sk-very-secret"}},
         "hang": {"command": sys.executable, "args": ["-c", "import time; time.sleep(60)"], "timeout": 2},
         "refused": {"url": f"http://127.0.0.1:{free_port()}/mcp", "timeout": 5},
     }})
     try:
         took = time.monotonic() - start
         status = mgr.status()
-        assert {n: s["state"] for n, s in status.items()} == dict.fromkeys(["missing", "crash", "hang", "refused"], "failed")
+        assert {n: s["state"] for n, s in status.items()} == dict.fromkeys(["missing", "crash", "hang", "leak", "refused"],
+                                                                          "failed")
         assert took < 12, took
         assert "no-such-binary" in status["missing"]["error"]
         assert "MY_API_KEY is not set" in status["crash"]["error"]          # the server's stderr says why
+        assert "bad key ***" in status["leak"]["error"] and "sk-very-secret" not in json.dumps(mgr.public_view())
         assert "within 2 s" in status["hang"]["error"]
         assert status["refused"]["error"].startswith("failed to start")
         r = mgr.call_tool("crash", "anything", {})

@@ -296,6 +296,19 @@ def content_text(blocks: list[dict]) -> str:
     return "\n".join(parts)
 
 
+def _scrub(cfg: ServerConfig, text: str) -> str:
+    """Blank out a server's secrets (env and header values, also as expanded from the environment) in text that
+    clients see, such as an error that quotes the server's stderr."""
+    values = set()
+    for v in [*cfg.env.values(), *cfg.headers.values()]:
+        for candidate in (v, _VAR.sub(lambda m: os.environ.get(m.group(1), ""), v)):
+            values.add(candidate)
+            values.update(candidate.split())   # "Bearer <token>": the token alone too
+    for v in sorted((v for v in values if len(v) >= 6), key=len, reverse=True):
+        text = text.replace(v, REDACTED)
+    return text
+
+
 def _describe(exc: BaseException) -> str:
     """One line for an exception, looking inside exception groups (anyio wraps failures in them)."""
     while hasattr(exc, "exceptions") and exc.exceptions:
@@ -376,7 +389,7 @@ class MCPManager:
                 log.exception("an MCP status listener failed")
 
     def _set_state(self, srv: _Server, state: str, error: str | None = None) -> None:
-        srv.state, srv.error = state, error
+        srv.state, srv.error = state, _scrub(srv.config, error) if error else None
         if state == "ready":
             srv.ready_at = time.time()
         if state != "starting" and srv.settled is not None:
@@ -413,7 +426,7 @@ class MCPManager:
         return self._status(srv)
 
     async def add_server_async(self, name: str, config: dict | ServerConfig, *, wait: bool = True, save: bool = False) -> dict:
-        status = await asyncio.to_thread(self.add_server, name, config, wait=False, save=save)
+        await asyncio.to_thread(self.add_server, name, config, wait=False, save=save)
         srv = self._get(name)
         if wait and srv.settled is not None:
             await self._on_loop(self._settle(srv))
