@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "mcp"))
-from helpers import time_server  # noqa: E402
+from agent_helpers import time_server  # noqa: E402
 
 from dark import OnlineLLM  # noqa: E402
 from dark.agent import TOOL_LORA, AgentRun, MCPManager, example_for_call  # noqa: E402

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "mcp"))
-from helpers import PY_SERVER, node_server, time_server  # noqa: E402
+from agent_helpers import PY_SERVER, node_server, time_server  # noqa: E402
 
 from dark.agent import (AgentRun, MCPManager, example_for_call, example_for_turn, examples_for_run,  # noqa: E402
                         format_call, learn_from_run)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "mcp"))
-from helpers import PY_SERVER, free_port, node_server, start_http, stop, time_server  # noqa: E402
+from agent_helpers import PY_SERVER, free_port, node_server, start_http, stop, time_server  # noqa: E402
 
 from dark.agent import MCPManager, MCPServerError  # noqa: E402
 from dark.errors import InvalidRequestError  # noqa: E402

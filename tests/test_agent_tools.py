@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "mcp"))
-from templates import QWEN25  # noqa: E402
+from agent_templates import QWEN25  # noqa: E402
 
 from dark.agent.mcp_client import ServerConfig, ToolSpec, expand_vars, parse_config, redact_args, redact_url  # noqa: E402
 from dark.agent.tools import (Toolbox, cut_to_tokens, fallback_tools_prompt, format_call, format_turn,  # noqa: E402
