@@ -163,6 +163,22 @@ def random_adapter(llm, rank: int, seed: int = 0):
     return weights
 
 
+def graph_replay_ms(runner, reps: int = 50) -> dict:
+    """GPU time of one decode step alone: replays of each captured graph, timed with events, back to back
+    (what a step would cost with no host work at all). Replays rewrite the last step's cache slots."""
+    out = {}
+    for key, (graph, _) in list(runner._graphs.items()):
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        out["b%d%s" % (key[0], "_lora" if key[1] else "")] = round(start.elapsed_time(end) / reps, 3)
+    return out
+
+
 # --- Hugging Face ---
 def hf_generate(model, prompts, new_tokens, device) -> float:
     ids = torch.tensor(prompts, device=device)
@@ -248,6 +264,8 @@ def main() -> None:
     ap.add_argument("--skip-peft", action="store_true")
     ap.add_argument("--profile-steps", type=int, default=16, help="decode steps under torch.profiler; 0: none")
     ap.add_argument("--profile-only", action="store_true", help="skip the timings (dark's and HF's)")
+    ap.add_argument("--modes", nargs="+", default=["fast"], choices=["plain", "fast"],
+                    help="dark's decode paths to time, in this order: plain torch, or kernels + CUDA graphs")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -289,14 +307,31 @@ def main() -> None:
                         max_num_batched_tokens=max(4096, max_b * args.prompt_len))
         print(f"dark loaded in {time.perf_counter() - t:.1f}s", flush=True)
         clock = StepClock(llm.engine.runner)
-        for b in [] if args.profile_only else args.batch:
-            add("dark", bench_ours(llm, clock, b, args.prompt_len, args.new_tokens, repeats=args.repeats))
-        if not args.skip_lora and not args.profile_only:
-            llm.engine.adapters.publish("a", 1, random_adapter(llm, args.lora_rank))
-            n = args.lora_new_tokens
-            add("dark (no adapter)", bench_ours(llm, clock, 1, args.prompt_len, n, seed=10, repeats=args.repeats))
-            add(f"dark + LoRA r{args.lora_rank}", bench_ours(llm, clock, 1, args.prompt_len, n, adapter=("a", 1), seed=10,
-                                                                   repeats=args.repeats))
+        runner = llm.engine.runner
+        published = False
+        for mode in args.modes:
+            runner.set_fast(mode == "fast")
+            label = "dark" if mode == "fast" else "dark, plain torch"
+            fast0 = runner.fast_steps
+            try:
+                for b in [] if args.profile_only else args.batch:
+                    add(label, bench_ours(llm, clock, b, args.prompt_len, args.new_tokens, repeats=args.repeats))
+                if not args.skip_lora and not args.profile_only:
+                    if not published:
+                        llm.engine.adapters.publish("a", 1, random_adapter(llm, args.lora_rank))
+                        published = True
+                    n = args.lora_new_tokens
+                    add(f"{label} (no adapter)", bench_ours(llm, clock, 1, args.prompt_len, n, seed=10, repeats=args.repeats))
+                    add(f"{label} + LoRA r{args.lora_rank}", bench_ours(llm, clock, 1, args.prompt_len, n, adapter=("a", 1),
+                                                                       seed=10, repeats=args.repeats))
+            except (Exception, SystemExit):  # one mode failing must not cost the other's figures
+                traceback.print_exc()
+                report.setdefault("errors", []).append(f"{mode}: {traceback.format_exc()[-2000:]}")
+            report[f"fast_steps_{mode}"] = runner.fast_steps - fast0
+            if mode == "fast" and device.type == "cuda":
+                report["graph_replay_ms"] = graph_replay_ms(runner)
+                print(json.dumps({"graph_replay_ms": report["graph_replay_ms"],
+                                  "graphs": [list(k) for k in runner._graphs]}), flush=True)
         for b in ([1, max_b] if max_b > 1 else [1]) if args.profile_steps else []:
             try:
                 prof = profile_ours(llm, clock, args.prompt_len, args.profile_steps, device, batch=b)

@@ -65,6 +65,28 @@ class PagedAttention:
         return out.transpose(1, 2)[self.q_row, self.q_col]
 
 
+class PagedDecodeAttention:
+    """Decode-only steps on CUDA: one query token per sequence, read straight from the block table (Triton).
+
+    Every input is a device tensor of fixed shape, so a CUDA graph can capture the step and later steps only
+    refill the tensors: slot_mapping [B] (-1: a padded row, nothing stored), block_tables [B, W] (columns past
+    a sequence's last block are never read), ctx_lens [B] (0: a padded row, its output is zeros).
+    """
+
+    def __init__(self, cache: KVCache, slot_mapping: torch.Tensor, block_tables: torch.Tensor, ctx_lens: torch.Tensor):
+        self.cache, self.slot_mapping, self.block_tables, self.ctx_lens = cache, slot_mapping, block_tables, ctx_lens
+        self.scale = cache.data.shape[-1] ** -0.5  # SDPA's default, as the plain path uses
+        self.splits = None
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        from ..models.decoder import kernel_module
+
+        pa = kernel_module("paged_attention")
+        kc, vc = self.cache.data[layer, 0], self.cache.data[layer, 1]
+        pa.store_kv(k, v, kc, vc, self.slot_mapping)
+        return pa.paged_decode(q, kc, vc, self.block_tables, self.ctx_lens, self.scale, self.splits)
+
+
 class DenseCausalAttention:
     """A right-padded batch of whole sequences, [batch, length] flattened to tokens; no cache."""
 

@@ -1,19 +1,49 @@
-"""Runs one scheduled step through the model: flat batch in, one sampled token per finished prefill/decode out."""
+"""Runs one scheduled step through the model: flat batch in, one sampled token per finished prefill/decode out.
+
+On CUDA, a step that only decodes (one new token per sequence) takes the fast path: its inputs go into fixed
+device buffers with one host-to-device copy, attention reads the paged cache through the Triton kernel, LoRA
+runs through the per-token slot kernels, and the whole forward (LM head included) is replayed from a CUDA
+graph captured once per batch-size bucket, with or without adapters. Prefill and mixed steps, and the CPU,
+take the plain-torch path. DARK_KERNELS=0 or DARK_CUDA_GRAPHS=0 turn the fast path or its graphs off.
+"""
 from __future__ import annotations
+
+import logging
+import os
 
 import torch
 
-from ..lora.slots import AdapterSlots
-from ..models.decoder import CausalLM
-from .attention import KVCache, PagedAttention
+from ..lora.slots import AdapterSlots, SlotLoRA
+from ..models.decoder import CausalLM, kernel_module
+from .attention import KVCache, PagedAttention, PagedDecodeAttention
 from .sampler import sample
 from .sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# rows of the decode input buffer: token id, position, cache slot, context length, adapter slot
+_IDS, _POS, _SLOT, _CTX, _LORA = range(5)
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, cache: KVCache, slots: AdapterSlots):
         self.model, self.cache, self.slots = model, cache, slots
         self.device = cache.data.device
+        self._buffers_for = 0  # decode buffers are made on the first fast step
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self.fast_steps = 0  # decode steps that took the fast path
+        self.set_fast(kernel_module().available(self.device), os.environ.get("DARK_CUDA_GRAPHS", "1") != "0")
+
+    def set_fast(self, on: bool, graphs: bool = True) -> None:
+        """Kernels (and CUDA graphs, on CUDA) for decode steps, LoRA and norms; off: the plain-torch path.
+        Call between steps (a before/after benchmark, a test)."""
+        self.fast_decode = on
+        self.use_graphs = on and graphs and self.device.type == "cuda"
+        self.slots.use_kernels = on
+        self.model.use_fused_kernels(on)
+        self._graphs.clear()
 
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]]) -> dict[int, tuple[int, float | None]]:
@@ -21,6 +51,8 @@ class ModelRunner:
 
         Returns {sequence id: (token, its log-probability or None)}.
         """
+        if self.fast_decode and all(n == 1 and seq.num_computed + 1 == len(seq) for seq, n in batch):
+            return self._run_decode(batch)
         bs = self.cache.block_size
         ids, positions, slots_of_tokens, slot_mapping = [], [], [], []
         q_lens, ctx_lens, tables, last_rows, sampled_seqs = [], [], [], [], []
@@ -46,3 +78,72 @@ class ModelRunner:
         head_lora = self.slots.context([s.slot for s in sampled_seqs]) if lora is not None else None
         tokens, logprobs = sample(self.model.logits(hidden[rows], head_lora), sampled_seqs)
         return {s.id: (t, logprobs[i] if logprobs else None) for i, (s, t) in enumerate(zip(sampled_seqs, tokens))}
+
+    # --- decode-only steps on CUDA ---
+    def _ensure_buffers(self, rows: int, width: int) -> None:
+        """Pinned host and device buffers for `rows` sequences of up to `width` blocks; graphs die with them."""
+        if rows <= self._buffers_for and width <= self._bt_dev.shape[1]:
+            return
+        rows = max(rows, self._buffers_for, GRAPH_BUCKETS[-1])
+        width = max(width, 64, self._bt_dev.shape[1] * 2 if self._buffers_for else 0)
+        self._graphs.clear()
+        pin = self.device.type == "cuda"
+        self._meta_host = torch.zeros(5, rows, dtype=torch.int64, pin_memory=pin)
+        self._meta_dev = torch.zeros(5, rows, dtype=torch.int64, device=self.device)
+        self._bt_host = torch.zeros(rows, width, dtype=torch.int32, pin_memory=pin)
+        self._bt_dev = torch.zeros(rows, width, dtype=torch.int32, device=self.device)
+        self._buffers_for = rows
+
+    def _forward_decode(self, rows: int, with_lora: bool) -> torch.Tensor:
+        """The captured region: logits [rows, vocab] from the decode buffers' first `rows` entries."""
+        meta = self._meta_dev[:, :rows]
+        attn = PagedDecodeAttention(self.cache, meta[_SLOT], self._bt_dev[:rows], meta[_CTX])
+        lora = SlotLoRA.with_kernels(self.slots, meta[_LORA]) if with_lora else None
+        hidden = self.model.hidden_states(meta[_IDS], meta[_POS], attn, lora)
+        return self.model.logits(hidden, lora)
+
+    def _run_decode(self, batch: list[tuple[Sequence, int]]) -> dict[int, tuple[int, float | None]]:
+        self.fast_steps += 1
+        bs = self.cache.block_size
+        b = len(batch)
+        rows = next((g for g in GRAPH_BUCKETS if g >= b), b) if self.use_graphs else b
+        self._ensure_buffers(rows, max(len(seq.block_table) for seq, _ in batch))
+        meta, bt = self._meta_host.numpy(), self._bt_host.numpy()
+        meta[:, b:rows] = 0
+        meta[_SLOT, b:rows] = meta[_LORA, b:rows] = -1  # padded rows: nothing stored, no adapter, empty context
+        seqs = []
+        for i, (seq, _) in enumerate(batch):
+            p = seq.num_computed
+            table = seq.block_table
+            meta[:, i] = (seq.token_ids[p], p, table[p // bs] * bs + p % bs, p + 1, seq.slot)
+            bt[i, :len(table)] = table
+            seqs.append(seq)
+        width = max(len(seq.block_table) for seq in seqs)
+        self._meta_dev[:, :rows].copy_(self._meta_host[:, :rows], non_blocking=True)
+        self._bt_dev[:rows, :width].copy_(self._bt_host[:rows, :width], non_blocking=True)
+        with_lora = any(seq.slot >= 0 for seq in seqs)
+        if rows in GRAPH_BUCKETS and self.use_graphs:
+            logits = self._replay(rows, with_lora)
+        else:
+            logits = self._forward_decode(rows, with_lora)
+        tokens, logprobs = sample(logits[:b], seqs)
+        return {s.id: (t, logprobs[i] if logprobs else None) for i, (s, t) in enumerate(zip(seqs, tokens))}
+
+    def _replay(self, rows: int, with_lora: bool) -> torch.Tensor:
+        key = (rows, with_lora) + ((self.slots.version, self.slots.kernel_rank()) if with_lora else ())
+        entry = self._graphs.get(key)
+        if entry is None:
+            # warm-up outside the graph (Triton compiles, cuBLAS picks its kernels); it stores the same keys
+            # and values that the replay below stores again
+            self._forward_decode(rows, with_lora)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: a training thread may allocate on its own stream meanwhile
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                out = self._forward_decode(rows, with_lora)
+            entry = self._graphs[key] = (graph, out)
+            log.info("captured the decode step for %d sequences%s", rows, " with adapters" if with_lora else "")
+        graph, out = entry
+        graph.replay()
+        return out

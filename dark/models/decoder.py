@@ -7,7 +7,10 @@ apply to each token are passed in, so serving and training run the same modules 
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -19,6 +22,22 @@ from torch import nn
 from ..errors import ModelLoadError
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def kernel_module(name: str | None = None):
+    """dark.kernels (or dark.kernels.<name>): the top-level kernels/ folder, which pyproject.toml maps into the
+    package. A source checkout run through PYTHONPATH, with no install, lacks that mapping: alias it here."""
+    if "dark.kernels" not in sys.modules:
+        try:
+            importlib.import_module("dark.kernels")
+        except ModuleNotFoundError:
+            folder = Path(__file__).resolve().parents[2] / "kernels"
+            spec = importlib.util.spec_from_file_location("dark.kernels", folder / "__init__.py",
+                                                          submodule_search_locations=[str(folder)])
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["dark.kernels"] = module
+            spec.loader.exec_module(module)
+    return importlib.import_module(f"dark.kernels.{name}" if name else "dark.kernels")
 
 
 @dataclass
@@ -111,8 +130,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.fused = False  # CausalLM.use_fused_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and not torch.is_grad_enabled():
+            return kernel_module("norm_rope").rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -163,6 +185,7 @@ class SelfAttention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.fused = False  # CausalLM.use_fused_kernels
 
     def forward(self, x, cos, sin, attn: Attention, lora: LoRA | None):
         t = x.shape[0]
@@ -171,7 +194,11 @@ class SelfAttention(nn.Module):
         v = self.v_proj(x, lora).view(t, self.nkv, self.d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if self.fused and not torch.is_grad_enabled():
+            rotary = kernel_module("norm_rope").rotary
+            q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+        else:
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         out = attn.attend(self.layer, q, k, v)
         return self.o_proj(out.reshape(t, self.nh * self.d), lora)
 
@@ -219,6 +246,13 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, -1, "lm_head")
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def use_fused_kernels(self, on: bool) -> None:
+        """RMSNorm and rotary through the Triton kernels (dark.kernels.norm_rope) in passes without autograd
+        (serving, reference passes); passes that need gradients keep the plain-torch modules either way."""
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, SelfAttention)):
+                m.fused = on
 
     def hidden_states(self, input_ids, positions, attn: Attention, lora: LoRA | None = None) -> torch.Tensor:
         """Final-norm hidden states of a flat batch of tokens ([T] ids and positions) -> [T, hidden]."""

@@ -1,0 +1,172 @@
+"""Decode attention over the paged KV cache: one query token per sequence, keys read through the block table.
+
+`paged_decode` splits each sequence's context into `splits` contiguous ranges (flash-decoding), one program
+per (sequence, KV head, range) that handles all query heads of its GQA group, then a second kernel merges the
+ranges. Nothing is gathered or padded; a sequence with context length 0 (a padded row of a CUDA-graph batch)
+gets zeros. `store_kv` writes the step's keys and values into their cache slots, skipping slot -1.
+The plain-torch references below are what the tests compare with.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU install runs without Triton: the engine then keeps its plain-torch path
+    triton = None
+
+LOG2E = 1.4426950408889634
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def paged_decode_reference(q, k_cache, v_cache, block_tables, ctx_lens, scale):
+    """q [B, H, D]; caches [blocks, block_size, KVH, D]; block_tables [B, >=ceil(ctx/bs)]; ctx_lens [B]."""
+    B, H, D = q.shape
+    bs, kvh = k_cache.shape[1], k_cache.shape[2]
+    out = torch.zeros_like(q)
+    for b in range(B):
+        n = int(ctx_lens[b])
+        if n == 0:
+            continue
+        pages = block_tables[b, :(n + bs - 1) // bs].long()
+        k = k_cache[pages].reshape(-1, kvh, D)[:n].float()
+        v = v_cache[pages].reshape(-1, kvh, D)[:n].float()
+        k, v = (t.repeat_interleave(H // kvh, dim=1) for t in (k, v))
+        s = torch.einsum("hd,nhd->hn", q[b].float(), k) * scale
+        out[b] = torch.einsum("hn,nhd->hd", s.softmax(-1), v).to(q.dtype)
+    return out
+
+
+def store_kv_reference(k, v, k_cache, v_cache, slot_mapping):
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_k, stride_v, W: tl.constexpr,
+                         BW: tl.constexpr):
+        t = tl.program_id(0)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        w = tl.arange(0, BW)
+        m = (w < W) & (slot >= 0)
+        dst = tl.maximum(slot, 0) * W + w
+        tl.store(kc_ptr + dst, tl.load(k_ptr + t * stride_k + w, mask=m), mask=m)
+        tl.store(vc_ptr + dst, tl.load(v_ptr + t * stride_v + w, mask=m), mask=m)
+
+    @triton.jit
+    def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr,
+                             stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, qk_scale,
+                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                             BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, DOT_F32: tl.constexpr):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        sp = tl.program_id(2)
+        H = tl.num_programs(1) * G
+        ctx = tl.load(ctx_ptr + b).to(tl.int32)
+        per = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
+        start = sp * per
+        end = tl.minimum(start + per, ctx)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        gm = g < G
+        heads = kvh * G + g
+        q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=gm[:, None], other=0.0)
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        n0 = start
+        while n0 < end:  # a while loop: the interpreter cannot take tensor bounds in range()
+            offs = n0 + tl.arange(0, BLOCK_N)
+            nm = offs < end
+            page = tl.load(bt_ptr + b * stride_bt + offs // BS, mask=nm, other=0).to(tl.int64)
+            addr = page[:, None] * stride_cb + (offs % BS)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
+            k = tl.load(kc_ptr + addr, mask=nm[:, None], other=0.0)
+            v = tl.load(vc_ptr + addr, mask=nm[:, None], other=0.0)
+            if DOT_F32:  # fp32 caches (exact, not tf32), and the interpreter, whose dot misreads bf16 operands
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * qk_scale
+            else:
+                s = tl.dot(q, tl.trans(k)) * qk_scale
+            s = tl.where(nm[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if DOT_F32:
+                pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+            n0 += BLOCK_N
+        row = (b * H + heads) * SPLITS + sp
+        tl.store(m_ptr + row, m_i, mask=gm)
+        tl.store(l_ptr + row, l_i, mask=gm)
+        tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=gm[:, None])
+
+    @triton.jit
+    def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ot, stride_oh, D: tl.constexpr,
+                      SPLITS: tl.constexpr, SP: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        H = tl.num_programs(1)
+        s = tl.arange(0, SP)
+        d = tl.arange(0, D)
+        sm = s < SPLITS
+        row = (b * H + h) * SPLITS + s
+        m = tl.load(m_ptr + row, mask=sm, other=float("-inf"))
+        l = tl.load(l_ptr + row, mask=sm, other=0.0)
+        mx = tl.max(m, 0)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - mx))
+        acc = tl.load(acc_ptr + row[:, None] * D + d[None, :], mask=sm[:, None], other=0.0)
+        total = tl.sum(l * w, 0)
+        o = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+        tl.store(out_ptr + b * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+
+
+def default_splits(batch: int, kv_heads: int, num_sms: int = 132) -> int:
+    """Enough context ranges to give every multiprocessor a program or two, at most 16."""
+    return max(1, min(16, (2 * num_sms) // max(1, batch * kv_heads)))
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping):
+    """k, v [T, KVH, D] into caches [blocks, block_size, KVH, D] at flat slots slot_mapping [T] (-1: skip)."""
+    T = k.shape[0]
+    W = k.shape[1] * k.shape[2]
+    assert k.stride(2) == 1 and k.stride(1) == k.shape[2] and v.stride(2) == 1 and v.stride(1) == v.shape[2]
+    _store_kv_kernel[(T,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), W,
+                           triton.next_power_of_2(W))
+
+
+def paged_decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, splits: int | None = None,
+                 block_n: int = 64):
+    """q [B, H, D] -> [B, H, D]; caches [blocks, block_size, KVH, D]; block_tables [B, W] int; ctx_lens [B]."""
+    B, H, D = q.shape
+    _, bs, kvh, _ = k_cache.shape
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and q.stride(2) == 1
+    G = H // kvh
+    splits = splits or default_splits(B, kvh)
+    part_m = torch.empty(B * H * splits, device=q.device, dtype=torch.float32)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty(B * H * splits, D, device=q.device, dtype=torch.float32)
+    out = torch.empty_like(q)
+    _paged_decode_kernel[(B, kvh, splits)](
+        q, k_cache, v_cache, block_tables, ctx_lens, part_m, part_l, part_acc,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        scale * LOG2E, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BS=bs, BLOCK_N=block_n, SPLITS=splits,
+        DOT_F32=_INTERPRETING or k_cache.dtype == torch.float32, num_warps=4)
+    _merge_kernel[(B, H)](part_m, part_l, part_acc, out, out.stride(0), out.stride(1), D=D, SPLITS=splits,
+                          SP=triton.next_power_of_2(splits))
+    return out
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,227 @@
+"""Triton kernels against their plain-torch references on random inputs, at small sizes.
+
+Without CUDA they run on the CPU under TRITON_INTERPRET=1 (set here before Triton is imported): these are
+the CI checks. With CUDA the same checks run compiled; tests/test_kernels_gpu.py adds real sizes.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    os.environ["TRITON_INTERPRET"] = "1"
+    # Triton picks interpreted or compiled for each @jit function (its own tl.* helpers too) when it is
+    # imported; torch or transformers may have imported it already in this process (other test files)
+    for name in [m for m in sys.modules if (m.split(".")[0] == "triton" and not m.startswith("triton._C"))
+                 or m.startswith("dark.kernels.")]:
+        del sys.modules[name]
+
+pytest.importorskip("triton")
+
+from dark.models.decoder import kernel_module  # noqa: E402
+
+kernel_module()  # dark.kernels, also in a checkout on PYTHONPATH without an install
+
+from dark.kernels.lora import lora_apply, lora_reference  # noqa: E402
+from dark.kernels.paged_attention import (paged_decode, paged_decode_reference, store_kv,  # noqa: E402
+                                          store_kv_reference)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_err(out, ref) -> float:
+    assert torch.isfinite(out).all()
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12)).item()
+
+
+def random_cache(num_blocks, block_size, kvh, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_blocks, block_size, kvh, d, generator=g).to(DEV, dtype)
+    v = torch.randn(num_blocks, block_size, kvh, d, generator=g).to(DEV, dtype)
+    return k, v, g
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("heads,kvh,d,block_size,splits", [(4, 2, 16, 4, 1), (6, 2, 32, 8, 3), (7, 1, 64, 16, None)])
+def test_paged_decode_matches_reference(dtype, tol, heads, kvh, d, block_size, splits):
+    kc, vc, g = random_cache(40, block_size, kvh, d, dtype, seed=heads * 100 + d)
+    ctx = torch.tensor([1, 0, 37, block_size * 5, 70])
+    width = 20  # pages enough for the longest context at block size 4
+    # each sequence's pages: distinct random blocks, so a wrong table lookup reads the wrong keys
+    tables = torch.stack([torch.randperm(40, generator=g)[:width] for _ in ctx]).to(torch.int32)
+    q = torch.randn(len(ctx), heads, d, generator=g).to(DEV, dtype)
+    scale = d ** -0.5
+    out = paged_decode(q, kc, vc, tables.to(DEV), ctx.to(DEV), scale, splits=splits, block_n=16)
+    ref = paged_decode_reference(q.cpu(), kc.cpu(), vc.cpu(), tables, ctx, scale)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert (out[1] == 0).all(), "an empty context must give zeros"
+    for b in (0, 2, 3, 4):
+        assert rel_err(out[b].cpu(), ref[b]) < tol, f"sequence {b}"
+
+
+def test_paged_decode_splits_agree():
+    kc, vc, g = random_cache(64, 16, 2, 32, torch.float32, seed=5)
+    ctx = torch.tensor([200, 3, 129])
+    tables = torch.stack([torch.randperm(64, generator=g)[:16] for _ in ctx]).to(torch.int32).to(DEV)
+    q = torch.randn(3, 4, 32, generator=g).to(DEV)
+    outs = [paged_decode(q, kc, vc, tables, ctx.to(DEV), 0.2, splits=s, block_n=16) for s in (1, 2, 5, 16)]
+    for o in outs[1:]:
+        assert rel_err(o.cpu(), outs[0].cpu()) < 1e-5
+
+
+def test_store_kv_writes_its_slots_and_skips_minus_one():
+    kc, vc, g = random_cache(6, 4, 2, 16, torch.bfloat16, seed=1)
+    kr, vr = kc.clone().cpu(), vc.clone().cpu()
+    k = torch.randn(5, 2, 16, generator=g).to(DEV, torch.bfloat16)
+    v = torch.randn(5, 2, 16, generator=g).to(DEV, torch.bfloat16)
+    slots = torch.tensor([3, -1, 23, 0, -1])
+    store_kv(k, v, kc, vc, slots.to(DEV))
+    store_kv_reference(k.cpu(), v.cpu(), kr, vr, slots)
+    assert torch.equal(kc.cpu(), kr) and torch.equal(vc.cpu(), vr)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("tokens,fan_in,fan_out,rank,max_rank", [(1, 48, 80, 8, 8), (7, 300, 96, 4, 16),
+                                                                   (5, 1100, 40, 16, 16)])
+def test_lora_matches_reference(dtype, tol, tokens, fan_in, fan_out, rank, max_rank):
+    g = torch.Generator().manual_seed(tokens * 7 + fan_in)
+    slots_n = 3
+    A = torch.zeros(slots_n, max_rank, fan_in)
+    B = torch.zeros(slots_n, max_rank, fan_out)
+    A[:, :rank] = torch.randn(slots_n, rank, fan_in, generator=g)
+    B[:, :rank] = torch.randn(slots_n, rank, fan_out, generator=g) * 0.1
+    A, B = A.to(DEV, dtype), B.to(DEV, dtype)
+    x = torch.randn(tokens, fan_in, generator=g).to(DEV, dtype)
+    y = torch.randn(tokens, fan_out, generator=g).to(DEV, dtype)
+    token_slots = torch.randint(-1, slots_n, (tokens,), generator=g)
+    token_slots[0] = 1
+    ref = lora_reference(x.cpu(), y.cpu(), A.cpu(), B.cpu(), token_slots, rank)
+    out = lora_apply(x, y.clone(), A, B, token_slots.to(DEV), rank)
+    for t in range(tokens):
+        if token_slots[t] < 0:
+            assert torch.equal(out[t].cpu(), y[t].cpu()), "a token without an adapter must be left alone"
+    delta_out, delta_ref = out.cpu().double() - y.cpu().double(), ref.double() - y.cpu().double()
+    assert rel_err(out.cpu(), ref) < tol
+    assert (delta_out - delta_ref).norm() <= 2e-2 * delta_ref.norm() + 1e-6
+
+
+def test_slot_lora_kernel_path_matches_torch_path():
+    """SlotLoRA's two paths (kernels, dense torch math) on the same slots and a mixed batch."""
+    from types import SimpleNamespace
+
+    from dark.lora.slots import AdapterSlots, SlotLoRA
+    from dark.lora.weights import AdapterWeights
+    from dark.config import LoraConfig
+
+    shapes = {"q_proj": (32, 48), "down_proj": (64, 32)}
+    cfg = SimpleNamespace(projection_shapes=lambda: shapes)
+    slots = AdapterSlots(cfg, 4, 16, torch.device(DEV), torch.float32)
+    for s, r in ((0, 8), (2, 4)):
+        w = AdapterWeights.init(LoraConfig(r=r, alpha=2 * r, target_modules=tuple(shapes)), shapes, 2, seed=s)
+        for a, b in w.tensors.values():
+            b.normal_(0, 0.5)
+        slots.load(s, w)
+    token_slots = [0, -1, 2, 2, 0, -1]
+    g = torch.Generator().manual_seed(0)
+    dense = SlotLoRA(slots, [0, 2], torch.tensor(token_slots, device=DEV))
+    fast = SlotLoRA.with_kernels(slots, torch.tensor(token_slots, dtype=torch.int32, device=DEV))
+    for layer, module in ((0, "q_proj"), (1, "down_proj")):
+        fan_in, fan_out = shapes[module]
+        x = torch.randn(len(token_slots), fan_in, generator=g).to(DEV)
+        y = torch.randn(len(token_slots), fan_out, generator=g).to(DEV)
+        ref = dense.apply(layer, module, x, y.clone())
+        out = fast.apply(layer, module, x, y.clone())
+        assert rel_err(out.cpu(), ref.cpu()) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def tiny_llm_with_adapters(tiny_models, tmp_path_factory):
+    from dark import OnlineLLM
+    from test_lora import make_peft_adapter
+
+    base = tiny_models["qwen2"]
+    root = tmp_path_factory.mktemp("kernel-adapters")
+    a = make_peft_adapter(base, root / "a", 1, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    b = make_peft_adapter(base, root / "b", 2, ["q_proj", "v_proj", "down_proj", "lm_head"], r=4)
+    # a store of its own: the default one is shared by every test on a model folder named qwen2
+    llm = OnlineLLM(str(base), data_dir=root / "data", device=DEV, dtype="float32", block_size=8, max_num_seqs=8)
+    llm.load_adapter("a", a)
+    llm.load_adapter("b", b)
+    yield llm
+    llm.close()
+
+
+def _generate_mixed(llm, steps):
+    import threading
+
+    prompts = [("Tell me a story about a fox.", "a"), ("What is two plus two?", None),
+               ("Translate 'cat' into French, and then into German.", "b")]
+    results, done = {}, threading.Event()
+
+    def collect(i):
+        def cb(out):
+            if out.finished:
+                results[i] = out
+                if len(results) == len(prompts):
+                    done.set()
+        return cb
+
+    for i, (prompt, adapter) in enumerate(prompts):
+        llm.submit(prompt, collect(i), adapter=adapter, max_tokens=steps, ignore_eos=True, logprobs=True)
+    assert done.wait(600)
+    return [results[i] for i in range(len(prompts))]
+
+
+def test_engine_fast_decode_path_matches_plain_path(tiny_llm_with_adapters):
+    """The engine's decode steps through the kernels (no CUDA graphs on the CPU) give the plain path's tokens,
+    in one batch mixing two adapters and none."""
+    llm = tiny_llm_with_adapters
+    runner = llm.engine.runner
+    was = runner.fast_decode
+    runner.set_fast(False)
+    plain = _generate_mixed(llm, 6)
+    runner.set_fast(True)
+    before = runner.fast_steps
+    try:
+        fast = _generate_mixed(llm, 6)
+    finally:
+        runner.set_fast(was)
+    assert runner.fast_steps - before >= 5, "the decode steps did not take the fast path"
+    for p, f in zip(plain, fast):
+        assert f.output_ids == p.output_ids
+        torch.testing.assert_close(torch.tensor(f.logprobs), torch.tensor(p.logprobs), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("shape", [(5, 64), (3, 2, 100), (1, 96)])
+def test_rms_norm_matches_reference(dtype, tol, shape):
+    from dark.kernels.norm_rope import rms_norm, rms_norm_reference
+
+    g = torch.Generator().manual_seed(shape[-1])
+    x = (torch.randn(*shape, generator=g) * 3).to(DEV, dtype)
+    w = torch.rand(shape[-1], generator=g).add(0.5).to(DEV, dtype)
+    out = rms_norm(x, w, 1e-6)
+    ref = rms_norm_reference(x.cpu(), w.cpu(), 1e-6)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert rel_err(out.cpu(), ref) < tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("tokens,heads,d", [(3, 4, 16), (5, 7, 64)])
+def test_rotary_matches_reference(dtype, tol, tokens, heads, d):
+    from dark.kernels.norm_rope import rotary, rotary_reference
+
+    g = torch.Generator().manual_seed(heads * d)
+    x = torch.randn(tokens, heads, d, generator=g).to(DEV, dtype)
+    ang = torch.rand(tokens, d // 2, generator=g) * 6
+    ang = torch.cat([ang, ang], -1)
+    cos, sin = ang.cos().to(DEV, dtype), ang.sin().to(DEV, dtype)
+    out = rotary(x, cos, sin)
+    assert rel_err(out.cpu(), rotary_reference(x.cpu(), cos.cpu(), sin.cpu())) < tol
+    # a strided view (q out of a fused projection) works too
+    wide = torch.randn(tokens, heads * d * 2, generator=g).to(DEV, dtype)
+    view = wide[:, :heads * d].view(tokens, heads, d)
+    assert rel_err(rotary(view, cos, sin).cpu(), rotary_reference(view.cpu(), cos.cpu(), sin.cpu())) < tol
