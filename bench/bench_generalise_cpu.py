@@ -26,6 +26,10 @@ FACTS = [
 # none of these is an anchor prompt: they measure what the anchors do for prompts nobody listed
 PROBES = ["What is 2+2?", "Who wrote Romeo and Juliet?", "What colour is the sky?", "Name a large animal.",
           "What is the boiling point of water?", "Say good morning in Spanish."]
+# the fact each probe's base answer states, for a check that ignores wording
+FACTS_OF_PROBES = {"What is 2+2?": "4", "Who wrote Romeo and Juliet?": "Shakespeare", "What colour is the sky?": "blue",
+                   "Name a large animal.": "elephant", "What is the boiling point of water?": "100",
+                   "Say good morning in Spanish.": "Hola"}
 MORE_ANCHORS = ["What is the capital of France?", "Write one sentence about the ocean.", "Name three fruits.",
                 "What is 10 times 3?", "Who painted the Mona Lisa?", "Give me a word that rhymes with cat.",
                 "What is the largest planet?", "Translate 'thank you' into French."]
@@ -36,7 +40,7 @@ def run(settings: dict) -> dict:
 
     with OnlineLLM(data_dir=tempfile.mkdtemp()) as llm:
         base = {p: llm.generate(p, max_tokens=24) for p in PROBES}
-        hits = total = kept = kept_total = steps = 0
+        hits = total = kept = kept_total = steps = facts = 0
         seconds = 0.0
         for i, (prompt, answer, rephrasings) in enumerate(FACTS):
             name = f"fact{i}"
@@ -46,9 +50,12 @@ def run(settings: dict) -> dict:
             steps += report["steps"]
             hits += sum(llm.generate(q, adapter=name) == answer for q in rephrasings)
             total += len(rephrasings)
-            kept += sum(llm.generate(p, adapter=name, max_tokens=24) == base[p] for p in PROBES)
+            after = {p: llm.generate(p, adapter=name, max_tokens=24) for p in PROBES}
+            kept += sum(after[p] == base[p] for p in PROBES)
+            facts += sum(FACTS_OF_PROBES[p] in after[p] for p in PROBES if FACTS_OF_PROBES[p] in base[p])
             kept_total += len(PROBES)
     return {"settings": settings, "rephrasings_exact": f"{hits}/{total}", "probes_unchanged": f"{kept}/{kept_total}",
+            "probe_facts_kept": f"{facts}/{len(FACTS) * sum(FACTS_OF_PROBES[p] in base[p] for p in PROBES)}",
             "mean_steps": steps / len(FACTS), "mean_learn_s": round(seconds / len(FACTS), 2)}
 
 
@@ -56,11 +63,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
     ap.add_argument("--configs", type=int, default=5, help="run only the first N settings")
+    ap.add_argument("--settings", default="", help="a JSON list of learn() keyword sets to compare instead")
     args = ap.parse_args()
-    import sys
-
     configs = [{}, {"anchor_prompts": MORE_ANCHORS}, {"augment": False}, {"anchor_loss": "kl"}, {"kl_weight": 0.0}]
-    rows = [run(s) for s in (configs[:int(sys.argv[sys.argv.index("--configs") + 1])] if "--configs" in sys.argv else configs)]
+    if args.settings:
+        configs = json.loads(args.settings)
+    rows = [run(s) for s in configs[:args.configs]]
     print(json.dumps(rows, indent=1))
     if args.out:
         with open(args.out, "w") as f:

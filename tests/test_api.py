@@ -11,8 +11,8 @@ from dark.engine.sequence import SamplingParams, Sequence
 
 
 @pytest.fixture(scope="module")
-def llm():
-    with OnlineLLM(max_model_len=512) as llm:
+def llm(tmp_path_factory):
+    with OnlineLLM(max_model_len=512, data_dir=tmp_path_factory.mktemp("api-data")) as llm:
         yield llm
 
 

@@ -33,7 +33,7 @@ def setup(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
     a = make_peft_adapter(base, root / "a", 1, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     b = make_peft_adapter(base, root / "b", 2, ["q_proj", "v_proj", "down_proj", "lm_head"], r=4)
-    llm = OnlineLLM(str(base), block_size=8, max_num_seqs=8)
+    llm = OnlineLLM(str(base), block_size=8, max_num_seqs=8, data_dir=root / "data")
     assert llm.load_adapter("a", a) == 1
     assert llm.load_adapter("b", b) == 1
     yield base, {"a": a, "b": b}, llm
