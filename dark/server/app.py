@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,6 +15,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
+from ..agent.mcp_client import MCPServerError
 from ..errors import DarkError, InvalidRequestError, UnknownAdapterError
 from ..store.db import Store
 from . import openai_api, rest, ws
@@ -37,6 +39,29 @@ def _open_store(llm, settings: ServerSettings) -> tuple[Store, bool]:
     return Store(path), True
 
 
+def mcp_config_path(llm, settings: ServerSettings) -> Path:
+    """Where the agent's MCP servers are configured: the setting, else mcp.json in the data directory (the
+    LLM's own when it has one, so a test's temporary data directory keeps its servers to itself)."""
+    if settings.mcp_config is not None:
+        return Path(settings.mcp_config).expanduser()
+    data_dir = getattr(llm, "data_dir", None)
+    return Path(data_dir if data_dir is not None else settings.resolved_data_dir()) / "mcp.json"
+
+
+def _open_agent(llm, settings: ServerSettings, on_server_event):
+    """The app's AgentService; a config file that cannot be read leaves the agent with no servers (and says
+    why) rather than keeping the server from starting."""
+    from ..agent import AgentService
+
+    path = mcp_config_path(llm, settings)
+    try:
+        return AgentService(llm, path, on_server_event=on_server_event)
+    except DarkError as e:
+        log.error("MCP servers not started: %s. The agent starts with none, and servers added now are not "
+                  "saved; fix %s and restart.", e, path)
+        return AgentService(llm, None, on_server_event=on_server_event)
+
+
 def create_app(llm, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
     store, owns_store = _open_store(llm, settings)
@@ -53,6 +78,15 @@ def create_app(llm, settings: ServerSettings | None = None) -> FastAPI:
                 pass
     hub.on_published = published
 
+    def mcp_event(event: dict) -> None:  # the MCP manager's thread: every socket hears of a server's status
+        loop = state.loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(ws.broadcast_frame, state, event)
+        except RuntimeError:  # the loop has closed
+            pass
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.loop = asyncio.get_running_loop()
@@ -60,11 +94,16 @@ def create_app(llm, settings: ServerSettings | None = None) -> FastAPI:
             log.warning("\n%s\n  dark is listening on %s WITHOUT an API key: anyone who can reach this port can\n"
                         "  chat, read every conversation and retrain its adapters. Set DARK_API_KEY (or\n"
                         "  --api-key) or bind to 127.0.0.1.\n%s", "!" * 78, settings.host, "!" * 78)
-        yield
-        for conn in list(state.connections):
-            conn.outbox.put_nowait(None)
-        if owns_store:
-            store.close()
+        state.agent = await asyncio.to_thread(_open_agent, llm, settings, mcp_event)
+        try:
+            yield
+        finally:
+            for conn in list(state.connections):
+                conn.outbox.put_nowait(None)
+            agent, state.agent = state.agent, None
+            await asyncio.to_thread(agent.close)
+            if owns_store:
+                store.close()
 
     app = FastAPI(title="dark", version=__version__, lifespan=lifespan,
                   description="Serves a language model and learns LoRA skills from corrections while it serves.")
@@ -91,6 +130,8 @@ def create_app(llm, settings: ServerSettings | None = None) -> FastAPI:
 
 
 def _status_of(exc: Exception) -> int:
+    if isinstance(exc, MCPServerError) and str(exc).startswith("no MCP server"):
+        return 404
     if isinstance(exc, UnknownAdapterError):
         return 404
     if isinstance(exc, InvalidRequestError):

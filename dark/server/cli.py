@@ -28,6 +28,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, help="the most tokens one answer may ask for (default 4096)")
     p.add_argument("--max-frame-bytes", type=int, help="largest websocket frame / HTTP body (default 1 MiB)")
     p.add_argument("--web-dir", help="the UI's static files (default: web/ beside the package)")
+    p.add_argument("--mcp-config", help="the agent's MCP servers, an {\"mcpServers\": ...} JSON file (default: "
+                                        "<data dir>/mcp.json; the UI and API add and remove servers in it)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     engine = p.add_argument_group("engine")
     engine.add_argument("--device", help="cuda, cuda:1 or cpu (default: cuda when available)")
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = ServerSettings.from_env(
             model=args.model, host=args.host, port=args.port, data_dir=args.data_dir, api_key=args.api_key,
             allowed_origins=args.allowed_origins, max_tokens=args.max_tokens, max_frame_bytes=args.max_frame_bytes,
-            web_dir=args.web_dir, log_level=args.log_level)
+            web_dir=args.web_dir, mcp_config=args.mcp_config, log_level=args.log_level)
     except ValueError as e:
         print(f"dark serve: bad settings: {e}", file=sys.stderr)
         return 2

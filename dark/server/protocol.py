@@ -147,13 +147,114 @@ class Ping(ClientMessage):
     type: Literal["ping"]
 
 
+# ---- the agent: MCP servers and tool-using runs (additions to v1) ----
+
+ServerName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,59}$")]
+RunId = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+
+
+class ListMCPServers(ClientMessage):
+    """The MCP servers: redacted config, status and tools with their schemas (never a secret)."""
+
+    type: Literal["mcp_servers"]
+
+
+class AddMCPServer(ClientMessage):
+    """Start a server (an entry of the usual "mcpServers" JSON) and save it; answers once it is ready or failed."""
+
+    type: Literal["mcp_add_server"]
+    name: ServerName
+    config: dict[str, Any]
+
+
+class RemoveMCPServer(ClientMessage):
+    type: Literal["mcp_remove_server"]
+    name: ServerName
+
+
+class RestartMCPServer(ClientMessage):
+    type: Literal["mcp_restart_server"]
+    name: ServerName
+
+
+class MCPAutoApprove(ClientMessage):
+    """Let a server's tools (all, or the listed ones) run without asking; false asks again for every call."""
+
+    type: Literal["mcp_auto_approve"]
+    name: ServerName
+    value: bool | list[Annotated[str, StringConstraints(min_length=1, max_length=200)]]
+
+
+class AgentTask(ClientMessage):
+    """Start an agent run: the model works on the task with the servers' tools; its events carry this id."""
+
+    type: Literal["agent"]
+    content: Text
+    servers: list[ServerName] | None = None   # none: every ready server
+    conversation_id: ObjectId | None = None   # its messages (latest branch) come before the task
+    adapter: Name | None = None               # absent: the first server's skill (mcp-<server>) when it exists
+    system: str | None = Field(None, max_length=100_000)
+    max_steps: int = Field(8, ge=1, le=64)
+    result_tokens: int = Field(1024, ge=16, le=32_768)
+    sampling: Sampling | None = None
+
+
+class AgentApprove(ClientMessage):
+    """Run a proposed call, as written or edited ({"name"?, "arguments"?})."""
+
+    type: Literal["agent_approve"]
+    call_id: RunId
+    run_id: RunId | None = None               # none: taken from the call id ("<run>-<n>")
+    edited: dict[str, Any] | None = None
+
+
+class AgentReject(ClientMessage):
+    type: Literal["agent_reject"]
+    call_id: RunId
+    run_id: RunId | None = None
+    reason: str = Field("", max_length=10_000)
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Annotated[str, StringConstraints(min_length=1, max_length=200)]
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class AgentCorrectTurn(ClientMessage):
+    """Replace the model's latest turn (no call, or the wrong ones) with these calls; they run at once."""
+
+    type: Literal["agent_correct_turn"]
+    run_id: RunId
+    calls: list[ToolCallIn] = Field(min_length=1, max_length=32)
+    content: str = Field("", max_length=100_000)
+
+
+class AgentStop(ClientMessage):
+    type: Literal["agent_stop"]
+    run_id: RunId
+
+
+class AgentLearn(ClientMessage):
+    """Teach the run's tool skill (mcp-<server>) its corrected calls; answers with job frames."""
+
+    type: Literal["agent_learn"]
+    run_id: RunId
+    call_ids: list[RunId] | None = Field(None, max_length=256)   # none: every corrected turn
+    include_approved: bool = False                               # also teach calls approved as proposed
+
+
 AnyClientMessage = Annotated[
     Union[Chat, Regenerate, Stop, Correct, Learn, Feedback, ListAdapters, CreateAdapter, Rollback, DeleteAdapter,
-          ListConversations, History, DeleteConversation, WatchJob, Ping],
+          ListConversations, History, DeleteConversation, WatchJob, Ping, ListMCPServers, AddMCPServer,
+          RemoveMCPServer, RestartMCPServer, MCPAutoApprove, AgentTask, AgentApprove, AgentReject, AgentCorrectTurn,
+          AgentStop, AgentLearn],
     Field(discriminator="type"),
 ]
 CLIENT_TYPES = ("chat", "regenerate", "stop", "correct", "learn", "feedback", "adapters", "create_adapter",
-                "rollback", "delete_adapter", "conversations", "history", "delete_conversation", "watch", "ping")
+                "rollback", "delete_adapter", "conversations", "history", "delete_conversation", "watch", "ping",
+                "mcp_servers", "mcp_add_server", "mcp_remove_server", "mcp_restart_server", "mcp_auto_approve",
+                "agent", "agent_approve", "agent_reject", "agent_correct_turn", "agent_stop", "agent_learn")
 _client = TypeAdapter(AnyClientMessage)
 
 
@@ -268,6 +369,23 @@ class Ack(ServerMessage):
 
 class Pong(ServerMessage):
     type: Literal["pong"] = "pong"
+
+
+class MCPServers(ServerMessage):
+    """Every MCP server by name: {"config": <redacted>, "status": {...}, "tools": [{name, description,
+    input_schema, ...}]}."""
+
+    type: Literal["mcp_servers"] = "mcp_servers"
+    servers: dict[str, Any]
+
+
+class AgentEvent(ServerMessage):
+    """One event of an agent run or an MCP server (agent_started, agent_state, agent_delta, agent_turn,
+    tool_running, tool_result, tool_rejected, tool_call_edited, tool_replaced, agent_turn_corrected,
+    agent_final, agent_error, mcp_status): the AgentService's event dict as it is, with the request's id."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
 
 
 class Error(ServerMessage):

@@ -17,7 +17,8 @@ from starlette.background import BackgroundTask
 
 from .. import __version__
 from .chat import ChatService
-from .protocol import PROTOCOL_VERSION, AdapterInfo, AdapterVersion, Name
+from ..errors import DarkError
+from .protocol import PROTOCOL_VERSION, AdapterInfo, AdapterVersion, Name, ServerName
 from .security import check_http_key
 from .state import AppState, get_state
 
@@ -153,6 +154,55 @@ async def download(name: str, version: int | None = Query(None, ge=1),
     zipped = await asyncio.to_thread(_zip_folder, folder, label)
     return FileResponse(zipped, media_type="application/zip", filename=f"{label}.zip",
                         background=BackgroundTask(os.unlink, zipped))
+
+
+# --- MCP servers (the agent's tools) ---
+class AddMCPServerRequest(BaseModel):
+    name: ServerName
+    config: dict[str, Any] = Field(description="one entry of the usual mcpServers JSON: command/args/env or url/headers")
+
+
+class AutoApproveRequest(BaseModel):
+    value: bool | list[str]
+
+
+def _agent(state: AppState):
+    if state.agent is None:
+        raise DarkError("the agent is not running (the server is starting or stopping); try again")
+    return state.agent
+
+
+@api.get("/mcp/servers")
+async def mcp_servers(state: AppState = Depends(get_state)) -> dict:
+    """{"mcpServers": {name: {"config": <secrets as ***>, "status": {...}, "tools": [...]}}}"""
+    return _agent(state).public_view()
+
+
+@api.post("/mcp/servers", status_code=201)
+async def add_mcp_server(body: AddMCPServerRequest, state: AppState = Depends(get_state)) -> dict:
+    """Start and save a server; answers once it is ready or failed, with its public view."""
+    agent = _agent(state)
+    await agent.add_server(body.name, body.config)
+    return agent.public_view()["mcpServers"][body.name]
+
+
+@api.delete("/mcp/servers/{name}", status_code=204)
+async def remove_mcp_server(name: str, state: AppState = Depends(get_state)) -> None:
+    await _agent(state).remove_server(name)
+
+
+@api.post("/mcp/servers/{name}/restart")
+async def restart_mcp_server(name: str, state: AppState = Depends(get_state)) -> dict:
+    agent = _agent(state)
+    await agent.restart_server(name)
+    return agent.public_view()["mcpServers"][name]
+
+
+@api.post("/mcp/servers/{name}/auto_approve")
+async def auto_approve_mcp_server(name: str, body: AutoApproveRequest, state: AppState = Depends(get_state)) -> dict:
+    agent = _agent(state)
+    await asyncio.to_thread(agent.set_auto_approve, name, body.value)
+    return agent.public_view()["mcpServers"][name]
 
 
 # --- metrics ---

@@ -38,6 +38,9 @@ class ServerSettings(BaseModel):
     correction_kind: str = Field("preference", pattern="^(preference|sft)$",
                                  description="how a correction trains: preference (old reply rejected) or sft")
     web_dir: Path | None = Field(None, description="the UI's static files; default: web/ of this checkout")
+    mcp_config: Path | None = Field(None, description="the agent's MCP servers ({\"mcpServers\": ...} JSON, written "
+                                                      "back when servers are added or removed); default: "
+                                                      "<data dir>/mcp.json")
     log_level: str = Field("info", pattern="^(debug|info|warning|error|critical)$")
 
     @field_validator("allowed_origins", mode="before")

@@ -28,6 +28,7 @@ class AppState:
     owns_store: bool = False
     connections: set = field(default_factory=set)
     loop: asyncio.AbstractEventLoop | None = None
+    agent: Any = None               # the AgentService (MCP servers and agent runs), from the app's lifespan
 
     @property
     def model_name(self) -> str:

@@ -57,7 +57,7 @@ class WsSession:
     request up to its last (done, error, a final job state, or the one answer of a simple request). Several
     tasks may wait on one session at once."""
 
-    LAST = {"done", "error", "adapters", "conversations", "history", "ack", "pong"}
+    LAST = {"done", "error", "adapters", "conversations", "history", "ack", "pong", "mcp_servers"}
     LAST_JOB = {"done", "failed", "cancelled"}
 
     def __init__(self, ws):
@@ -65,6 +65,7 @@ class WsSession:
 
         self.ws = ws
         self.buffer: list[dict] = []
+        self.raw: list[str] = []          # every frame received, as sent (to check what never appears in one)
         self.hello: dict | None = None
         self.closed: BaseException | None = None
         self._n = 0
@@ -76,6 +77,7 @@ class WsSession:
 
         try:
             async for raw in self.ws:
+                self.raw.append(raw if isinstance(raw, str) else raw.decode())
                 async with self._arrived:
                     self.buffer.append(json.loads(raw))
                     self._arrived.notify_all()
@@ -141,6 +143,18 @@ class WsSession:
             out.append(frame)
             if self.is_last(frame):
                 return out
+
+    async def until(self, request_id, match, timeout: float = 120.0) -> list[dict]:
+        """The frames of one request up to and including the first that matches (an agent run's events do not
+        end with a fixed frame: wait for the one the test needs, e.g. an agent_state)."""
+        out = []
+        while True:
+            frame = await self.next(lambda f: f.get("id") == request_id, timeout)
+            out.append(frame)
+            if match(frame):
+                return out
+            if frame["type"] == "error":
+                raise AssertionError(f"request {request_id} failed: {frame}")
 
     async def request(self, message: dict, timeout: float = 120.0) -> list[dict]:
         message = {"id": self.new_id(), **message}

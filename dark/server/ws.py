@@ -19,11 +19,13 @@ from ..errors import DarkError, InvalidRequestError, PromptTooLongError, Unknown
 from .chat import ChatService
 from .generation import Generation
 from .learning import LearningUnavailable
+from ..agent.mcp_client import MCPServerError
 from .protocol import (
-    SUBPROTOCOL, Ack, Adapters, Chat, ClientMessage, Conversations, Correct, CreateAdapter, DeleteAdapter,
+    SUBPROTOCOL, Ack, AddMCPServer, Adapters, AgentApprove, AgentCorrectTurn, AgentEvent, AgentLearn, AgentReject,
+    AgentStop, AgentTask, Chat, ClientMessage, Conversations, Correct, CreateAdapter, DeleteAdapter,
     DeleteConversation, Error, Feedback, FrameError, Hello, History, HistoryReply, Job, Learn, ListAdapters,
-    ListConversations, Ping, Pong, Regenerate, Rollback, Started, Stop, Token, WatchJob, parse_client_message,
-    request_id_of,
+    ListConversations, ListMCPServers, MCPAutoApprove, MCPServers, Ping, Pong, Regenerate, RemoveMCPServer,
+    RestartMCPServer, Rollback, Started, Stop, Token, WatchJob, parse_client_message, request_id_of,
 )
 from .security import TokenBucket, origin_problem, subprotocols, websocket_key_problem
 from .state import AppState
@@ -45,6 +47,8 @@ def error_for(exc: BaseException) -> tuple[str, str]:
         return ("not_found" if text.startswith("unknown ") else "invalid_request"), text
     if isinstance(exc, LearningUnavailable):
         return "learning_unavailable", str(exc)
+    if isinstance(exc, MCPServerError) and str(exc).startswith("no MCP server"):
+        return "not_found", str(exc)
     if isinstance(exc, DarkError):
         return "failed", str(exc)
     log.error("request failed", exc_info=exc)
@@ -68,8 +72,16 @@ class Connection:
             "create_adapter": self.on_create_adapter, "rollback": self.on_rollback,
             "delete_adapter": self.on_delete_adapter, "conversations": self.on_conversations,
             "history": self.on_history, "delete_conversation": self.on_delete_conversation,
-            "watch": self.on_watch,
+            "watch": self.on_watch, "mcp_servers": self.on_mcp_servers, "mcp_add_server": self.on_mcp_add_server,
+            "mcp_remove_server": self.on_mcp_remove_server, "mcp_restart_server": self.on_mcp_restart_server,
+            "mcp_auto_approve": self.on_mcp_auto_approve, "agent": self.on_agent,
+            "agent_approve": self.on_agent_approve, "agent_reject": self.on_agent_reject,
+            "agent_correct_turn": self.on_agent_correct_turn, "agent_stop": self.on_agent_stop,
+            "agent_learn": self.on_agent_learn,
         }
+        self.runs: dict[str, Any] = {}          # agent run id -> the id of the request that started it
+        self.advancing: set[str] = set()        # runs whose model is working now
+        self.background: set[asyncio.Task] = set()
 
     # --- plumbing ---
     def send(self, frame: BaseModel) -> None:
@@ -118,6 +130,9 @@ class Connection:
                 gen.stop()
             for task in self.tasks.values():
                 task.cancel()
+            for task in self.background:
+                task.cancel()
+            self._cancel_runs()
             self.outbox.put_nowait(None)
             try:
                 await asyncio.wait_for(writer, timeout=1.0)
@@ -260,6 +275,141 @@ class Connection:
     async def on_feedback(self, msg: Feedback) -> None:
         row = await asyncio.to_thread(self.state.store.add_feedback, msg.message_id, msg.rating, msg.comment)
         self.send(Ack(id=msg.id, request=msg.type, data={"feedback_id": row["id"]}))
+
+    # --- MCP servers ---
+    @property
+    def agent(self):
+        if self.state.agent is None:
+            raise DarkError("the agent is not running (the server is starting or stopping); try again")
+        return self.state.agent
+
+    def _servers(self, request_id: Any) -> None:
+        self.send(MCPServers(id=request_id, servers=self.agent.public_view()["mcpServers"]))
+
+    async def on_mcp_servers(self, msg: ListMCPServers) -> None:
+        self._servers(msg.id)
+
+    async def on_mcp_add_server(self, msg: AddMCPServer) -> None:
+        await self.agent.add_server(msg.name, msg.config)
+        self._servers(msg.id)
+
+    async def on_mcp_remove_server(self, msg: RemoveMCPServer) -> None:
+        await self.agent.remove_server(msg.name)
+        self._servers(msg.id)
+
+    async def on_mcp_restart_server(self, msg: RestartMCPServer) -> None:
+        await self.agent.restart_server(msg.name)
+        self._servers(msg.id)
+
+    async def on_mcp_auto_approve(self, msg: MCPAutoApprove) -> None:
+        await asyncio.to_thread(self.agent.set_auto_approve, msg.name, msg.value)
+        self._servers(msg.id)
+
+    # --- agent runs ---
+    def _relay_run(self, request_id: Any) -> Callable[[dict], None]:
+        """The run's on_event: its events, from whichever thread, go out under the starting request's id."""
+        def relay(event: dict) -> None:
+            self.send_threadsafe(AgentEvent(id=request_id, **event))
+        return relay
+
+    def _own(self, run_id: str):
+        """A run this socket started (runs belong to their socket, and end with it)."""
+        if run_id not in self.runs:
+            raise InvalidRequestError(f"unknown agent run {run_id!r} on this socket (runs end when their socket "
+                                      "closes)")
+        return self.agent.get_run(run_id), self.runs[run_id]
+
+    async def _advance(self, run, request_id: Any) -> None:
+        """Let the model work until the run needs the user or ends; a failure becomes an agent_error event."""
+        if run.id in self.advancing:
+            return
+        self.advancing.add(run.id)
+        try:
+            await self.agent.advance(run.id)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if not (run.state == "failed" and run.error):   # the run has not said so itself
+                code, text = error_for(e)
+                self.send(AgentEvent(id=request_id, type="agent_error", run_id=run.id, code=code, error=text))
+        finally:
+            self.advancing.discard(run.id)
+
+    def _continue(self, run, request_id: Any) -> None:
+        """After a decision: once every call of the turn is settled, the model goes on (in the background)."""
+        if run.state == "ready" and run.id not in self.advancing:
+            task = asyncio.create_task(self._advance(run, request_id))
+            self.background.add(task)
+            task.add_done_callback(self.background.discard)
+
+    def _cancel_runs(self) -> None:
+        agent = self.state.agent
+        if agent is None:
+            return
+        for run_id in self.runs:
+            run = agent.runs.get(run_id)
+            if run is not None and run.state not in ("done", "max_steps", "cancelled", "failed"):
+                self.loop.run_in_executor(None, run.cancel)
+
+    async def on_agent(self, msg: AgentTask) -> None:
+        agent = self.agent
+        args = self.state.sampling_args(msg.sampling)
+        max_tokens = args.pop("max_tokens")
+        adapter = "auto"
+        if "adapter" in msg.model_fields_set:
+            adapter = (await asyncio.to_thread(self.state.resolve_adapter, msg.adapter))[0] if msg.adapter else None
+        history = None
+        if msg.conversation_id is not None:
+            _, messages = await asyncio.to_thread(self.chat.history, msg.conversation_id)
+            history = [{"role": m["role"], "content": m["content"]} for m in messages
+                       if m["role"] in ("user", "assistant")]
+        run = await asyncio.to_thread(
+            agent.start_run, msg.content, servers=msg.servers, on_event=self._relay_run(msg.id), adapter=adapter,
+            system=msg.system, history=history, max_steps=msg.max_steps, result_tokens=msg.result_tokens,
+            max_tokens=max_tokens, sampling=args)
+        self.runs[run.id] = msg.id
+        await self._advance(run, msg.id)
+
+    async def on_agent_approve(self, msg: AgentApprove) -> None:
+        run, request_id = self._own(msg.run_id or msg.call_id.rpartition("-")[0])
+        call = await self.agent.approve(run.id, msg.call_id, msg.edited)
+        self.send(Ack(id=msg.id, request=msg.type, data={"run_id": run.id, "call": call.to_dict()}))
+        self._continue(run, request_id)
+
+    async def on_agent_reject(self, msg: AgentReject) -> None:
+        run, request_id = self._own(msg.run_id or msg.call_id.rpartition("-")[0])
+        call = await self.agent.reject(run.id, msg.call_id, msg.reason)
+        self.send(Ack(id=msg.id, request=msg.type, data={"run_id": run.id, "call": call.to_dict()}))
+        self._continue(run, request_id)
+
+    async def on_agent_correct_turn(self, msg: AgentCorrectTurn) -> None:
+        run, request_id = self._own(msg.run_id)
+        calls = await self.agent.correct_turn(run.id, [c.model_dump() for c in msg.calls], msg.content)
+        self.send(Ack(id=msg.id, request=msg.type, data={"run_id": run.id, "calls": [c.to_dict() for c in calls]}))
+        self._continue(run, request_id)
+
+    async def on_agent_stop(self, msg: AgentStop) -> None:
+        run, _ = self._own(msg.run_id)
+        await asyncio.to_thread(run.cancel)
+        self.send(Ack(id=msg.id, request=msg.type, data={"run_id": run.id, "state": run.state}))
+
+    async def on_agent_learn(self, msg: AgentLearn) -> None:
+        self.state.learning.require("submit_learn")
+        run, _ = self._own(msg.run_id)
+        adapter = run.learn_adapter
+        job = await asyncio.to_thread(self.agent.learn, run.id, call_ids=msg.call_ids,
+                                      include_approved=msg.include_approved, on_event=self.state.hub.on_event)
+        job_id = str(job.id)
+        self.state.hub.register(job_id, adapter, None)
+        log.info("learn job %s queued on adapter %s from agent run %s", job_id, adapter, run.id)
+        self._relay_job(msg.id, Job(job_id=job_id, adapter=adapter, state="queued"))
+
+
+def broadcast_frame(state: AppState, event: dict) -> None:
+    """An MCP server's status change, to every socket (id null). Runs on the event loop."""
+    frame = AgentEvent(id=None, **event)
+    for conn in list(state.connections):
+        conn.send(frame)
 
 
 async def broadcast_adapters(state: AppState, exclude: Connection | None = None) -> None:
