@@ -179,6 +179,47 @@ def graph_replay_ms(runner, reps: int = 50) -> dict:
     return out
 
 
+def lora_micro(device, layers: int = 28, rank: int = 16, reps: int = 20) -> dict:
+    """GPU time of the LoRA work of one batch-1 decode step alone (every projection of every layer), captured in
+    one CUDA graph, for a few tile shapes of the shrink/expand kernels; beside it, a graph of as many trivial
+    kernels, which shows what a graph node costs by itself."""
+    from dark.models.decoder import kernel_module
+
+    lk = kernel_module("lora")
+    shapes = [(3584, 3584), (3584, 512), (3584, 512), (3584, 3584), (3584, 18944), (3584, 18944), (18944, 3584)]
+    g = torch.Generator(device=device).manual_seed(0)
+    mats = [(torch.randn(8, 64, k, device=device, generator=g).to(torch.bfloat16) * 0.02,
+             torch.randn(8, 64, n, device=device, generator=g).to(torch.bfloat16) * 0.02,
+             torch.randn(1, k, device=device, generator=g).to(torch.bfloat16),
+             torch.randn(1, n, device=device, generator=g).to(torch.bfloat16)) for _ in range(layers) for k, n in shapes]
+    slot = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def timed(fn) -> float:
+        fn()
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return round(start.elapsed_time(end) / reps, 3)
+
+    out = {"nodes": 2 * len(mats)}
+    for chunk, bk, bn in [(512, 128, 256), (512, 512, 256), (1024, 256, 512)]:
+        def run(chunk=chunk, bk=bk, bn=bn):
+            for A, B, x, y in mats:
+                lk.lora_expand(lk.lora_shrink(x, A, slot, rank, chunk=chunk, block_k=bk), B, slot, y, rank, block_n=bn)
+        out[f"chunk{chunk}_bk{bk}_bn{bn}_ms"] = timed(run)
+    tiny = torch.zeros(16, device=device)
+    out["trivial_kernels_same_count_ms"] = timed(lambda: [tiny.add_(1) for _ in range(2 * len(mats))])
+    return out
+
+
 # --- Hugging Face ---
 def hf_generate(model, prompts, new_tokens, device) -> float:
     ids = torch.tensor(prompts, device=device)
@@ -264,6 +305,7 @@ def main() -> None:
     ap.add_argument("--skip-peft", action="store_true")
     ap.add_argument("--profile-steps", type=int, default=16, help="decode steps under torch.profiler; 0: none")
     ap.add_argument("--profile-only", action="store_true", help="skip the timings (dark's and HF's)")
+    ap.add_argument("--lora-micro", action="store_true", help="time the LoRA kernels of one step alone, then exit")
     ap.add_argument("--modes", nargs="+", default=["fast"], choices=["plain", "fast"],
                     help="dark's decode paths to time, in this order: plain torch, or kernels + CUDA graphs")
     args = ap.parse_args()
@@ -273,6 +315,9 @@ def main() -> None:
     from dark import OnlineLLM
 
     device = torch.device(args.device)
+    if args.lora_micro:
+        print(json.dumps({"lora_micro": lora_micro(device)}), flush=True)
+        return
     shape = TINY if args.tiny else QWEN25_7B
     tmp = None
     folder = args.folder

@@ -34,11 +34,13 @@ class ModelRunner:
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self.fast_steps = 0  # decode steps that took the fast path
-        self.set_fast(kernel_module().available(self.device), os.environ.get("DARK_CUDA_GRAPHS", "1") != "0")
+        self.set_fast(kernel_module().available(self.device))
 
-    def set_fast(self, on: bool, graphs: bool = True) -> None:
-        """Kernels (and CUDA graphs, on CUDA) for decode steps, LoRA and norms; off: the plain-torch path.
-        Call between steps (a before/after benchmark, a test)."""
+    def set_fast(self, on: bool, graphs: bool | None = None) -> None:
+        """Kernels (and CUDA graphs, on CUDA, unless DARK_CUDA_GRAPHS=0) for decode steps, LoRA and norms;
+        off: the plain-torch path. Call between steps (a before/after benchmark, a test)."""
+        if graphs is None:
+            graphs = os.environ.get("DARK_CUDA_GRAPHS", "1") != "0"
         self.fast_decode = on
         self.use_graphs = on and graphs and self.device.type == "cuda"
         self.slots.use_kernels = on
