@@ -13,6 +13,9 @@ def pytest_configure(config):
     if "DARK_HOME" not in os.environ:
         os.environ["DARK_HOME"] = str(Path(config.rootpath) / ".data" / "test-home")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if not torch.cuda.is_available():
+        # Triton kernels run in its interpreter on the CPU; it reads this once, when it is first imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
 

@@ -1,23 +1,12 @@
 """Triton kernels against their plain-torch references on random inputs, at small sizes.
 
-Without CUDA they run on the CPU under TRITON_INTERPRET=1 (set here before Triton is imported): these are
-the CI checks. With CUDA the same checks run compiled; tests/test_kernels_gpu.py adds real sizes.
+Without CUDA they run on the CPU under TRITON_INTERPRET=1 (set by conftest before Triton is imported):
+these are the CI checks. With CUDA the same checks run compiled; tests/test_kernels_gpu.py adds real sizes.
 """
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
-
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    os.environ["TRITON_INTERPRET"] = "1"
-    # Triton picks interpreted or compiled for each @jit function (its own tl.* helpers too) when it is
-    # imported; torch or transformers may have imported it already in this process (other test files)
-    for name in [m for m in sys.modules if (m.split(".")[0] == "triton" and not m.startswith("triton._C"))
-                 or m.startswith("dark.kernels.")]:
-        del sys.modules[name]
 
 pytest.importorskip("triton")
 
