@@ -3,6 +3,7 @@
 import { authHeaders, DarkSocket } from "./client.js";
 import { lossChart } from "./chart.js";
 import { renderMarkdown } from "./markdown.js";
+import { agentOnHello, agentUnsolicited, initAgent, showAgent } from "./agent.js";
 
 const $ = (id) => document.getElementById(id);
 const KEY_STORE = "dark.apiKey";
@@ -247,9 +248,11 @@ class MessageView {
 }
 
 class JobCard {
-  constructor(view, adapter) {
+  // view: anything with a jobBox (a MessageView, or an agent run); regenerate: offer "Regenerate with" when done
+  constructor(view, adapter, { regenerate = true } = {}) {
     this.view = view;
     this.adapter = adapter;
+    this.offerRegenerate = regenerate;
     this.jobId = null;
     this.losses = new Map();   // step -> loss (a replay after a reconnect repeats steps)
     this.state = "sending";
@@ -305,7 +308,7 @@ class JobCard {
     head.append(title, status);
     const parts = [head];
     if (this.losses.size) parts.push(lossChart([...this.losses].sort((a, b) => a[0] - b[0]).map(([, loss]) => loss)));
-    if (this.state === "done") {
+    if (this.state === "done" && this.offerRegenerate) {
       parts.push(button(`↻ Regenerate with ${this.adapter}`, () => { selectSkill(this.adapter); regenerate(this.view); },
         "button primary small regenerate-learned"));
     }
@@ -441,6 +444,7 @@ function markActiveConversation() {
 
 async function openConversation(id) {
   closeSidebarOnPhone();
+  showAgent(false);
   try {
     const { conversation, messages } = await ui.socket.call({ type: "history", conversation_id: id });
     clearViews();
@@ -455,6 +459,7 @@ async function openConversation(id) {
 }
 
 function newChat() {
+  showAgent(false);
   clearViews();
   ui.conversationId = null;
   markActiveConversation();
@@ -600,6 +605,7 @@ async function onHello(hello) {
   ui.learning = hello.learning;
   await refreshAdapters();
   await refreshConversations();
+  agentOnHello();
   for (const [jobId, card] of ui.jobs) {
     if (["queued", "running"].includes(card.state)) {
       ui.socket.request({ type: "watch", job_id: jobId }, (frame) => { if (frame.type === "job") card.update(frame); });
@@ -608,6 +614,7 @@ async function onHello(hello) {
 }
 
 function onUnsolicited(frame) {
+  if (agentUnsolicited(frame)) return;
   if (frame.type === "adapters") setAdapters(frame.adapters);
   else if (frame.type === "error") toast(frame.message);
 }
@@ -726,6 +733,7 @@ function wire() {
     askForKey();
   });
   renderSkillSelect();
+  initAgent({ socket: () => ui.socket, toast, el, button, JobCard, jobs: ui.jobs, selectSkill });
 }
 
 wire();
