@@ -103,6 +103,13 @@ def test_agent_over_the_websocket_edit_run_learn_and_approve(server, llm, mcp_fi
             assert "add" in added["servers"]["py"]["status"]["tools"]
             (toggled,) = await s.request({"type": "mcp_auto_approve", "name": "py", "value": ["add"]})
             assert toggled["servers"]["py"]["status"]["auto_approve"] == ["add"]
+            (broken,) = await s.request({"type": "mcp_add_server", "name": "broken", "config": {
+                "command": "/nonexistent/mcp-server", "env": {"KEY": SECRET2}}}, timeout=60)
+            status = broken["servers"]["broken"]["status"]
+            assert status["state"] == "failed" and status["error"], status          # a clear status, not a hang
+            (refused,) = await s.request({"type": "agent", "content": TASK, "servers": ["broken"]})
+            assert refused["type"] == "error" and "failed" in refused["message"]
+            await s.request({"type": "mcp_remove_server", "name": "broken"})
             (bad,) = await s.request({"type": "agent", "content": TASK, "servers": ["nope"]})
             assert bad["type"] == "error" and bad["code"] == "not_found" and "nope" in bad["message"]
 
@@ -116,6 +123,9 @@ def test_agent_over_the_websocket_edit_run_learn_and_approve(server, llm, mcp_fi
             run_id = started["run_id"]
             assert any(f["type"] == "agent_delta" for f in frames)
             calls = pending_calls(frames)
+            (dup,) = await s.request({"type": "mcp_servers", "id": rid})   # the run still speaks under its id
+            busy = ("error", "duplicate_id") if frames[-1]["state"] != "done" else ("mcp_servers", None)
+            assert (dup["type"], dup.get("code")) == busy
             if frames[-1]["state"] == "awaiting_approval":
                 first = calls[0]
                 assert [(c["name"], c["arguments"]) for c in calls] != [(RIGHT["name"], RIGHT["arguments"])]
@@ -187,7 +197,8 @@ def test_mcp_servers_over_rest_under_the_key(server):
         assert added.json()["status"]["state"] == "ready" and added.json()["config"]["env"] == {"PY_TOKEN": "***"}
         bad = client.post("/api/mcp/servers", json={"name": "bad", "config": {"command": "x", "url": "http://y"}})
         assert bad.status_code == 400 and "exactly one" in bad.json()["detail"]
-        assert client.post("/api/mcp/servers/py2/auto_approve", json={"value": True}).json()["status"]["auto_approve"] is True
+        toggled = client.post("/api/mcp/servers/py2/auto_approve", json={"value": True})
+        assert toggled.json()["status"]["auto_approve"] is True
         assert SECRET not in client.get("/api/mcp/servers").text and SECRET2 not in client.get("/api/mcp/servers").text
         assert client.delete("/api/mcp/servers/py2").status_code == 204
         assert client.delete("/api/mcp/servers/py2").status_code == 404

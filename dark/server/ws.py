@@ -163,7 +163,7 @@ class Connection:
                 self.error(msg.id, "not_running", f"no generation with id {msg.id!r} is running on this socket")
             else:
                 gen.stop()
-        elif msg.id in self.tasks:
+        elif msg.id in self.tasks or self._run_uses(msg.id):
             self.error(msg.id, "duplicate_id", f"a request with id {msg.id!r} is still running; use a new id")
         elif isinstance(msg, (Chat, Regenerate)) and len(self.generations) >= self.settings.max_inflight:
             self.error(msg.id, "too_many_requests", f"{self.settings.max_inflight} generations are already running "
@@ -311,6 +311,15 @@ class Connection:
         def relay(event: dict) -> None:
             self.send_threadsafe(AgentEvent(id=request_id, **event))
         return relay
+
+    def _run_uses(self, request_id: Any) -> bool:
+        """Whether an agent run that has not ended still sends its events under this request id."""
+        agent = self.state.agent
+        if agent is None or request_id not in self.runs.values():
+            return False
+        return any(rid == request_id and (run := agent.runs.get(run_id)) is not None
+                   and run.state not in ("done", "max_steps", "cancelled", "failed")
+                   for run_id, rid in self.runs.items())
 
     def _own(self, run_id: str):
         """A run this socket started (runs belong to their socket, and end with it)."""
