@@ -85,8 +85,8 @@ def run_task(page) -> str:
 
 
 def reject_the_rest(page) -> None:
-    """Whatever else the model proposes after the result, until it answers."""
-    page.on("dialog", lambda d: d.accept("not needed"))
+    """Whatever else the model proposes after the result, until it answers (the reason prompt is accepted by
+    the test's dialog handler)."""
     while wait_for_user_or_end(page) == "awaiting_approval":
         page.click(f"{LAST_RUN} .tool-call[data-status=pending] .reject, "
                    f"{LAST_RUN} .tool-call[data-status=invalid] .reject")
@@ -94,6 +94,7 @@ def reject_the_rest(page) -> None:
 
 
 def test_agent_panel_edit_run_teach_approve(server, page):
+    page.on("dialog", lambda d: d.accept("not needed"))
     page.goto(server.url)
     page.wait_for_selector("#connection[data-state=online]")
     page.click("#agent-button")

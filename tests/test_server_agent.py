@@ -170,6 +170,17 @@ def test_agent_over_the_websocket_edit_run_learn_and_approve(server, llm, mcp_fi
             rest = await finish(s, rid2, await drive(s, rid2))
             result = next(f for f in rest if f["type"] == "tool_result")
             assert json.loads(result["call"]["result"])["timezone"] == "Asia/Tokyo"
+            # ... and for a paraphrase of the task; stopping a run cancels its pending call
+            rid3 = s.new_id()
+            await s.send({"type": "agent", "id": rid3, "content": "Tell me the current time in Tokyo.",
+                          "servers": ["time"]})
+            frames = await drive(s, rid3)
+            calls = pending_calls(frames)
+            assert [(c["name"], c["arguments"]) for c in calls] == [(RIGHT["name"], RIGHT["arguments"])]
+            (stopped,) = await s.request({"type": "agent_stop", "run_id": frames[0]["run_id"]})
+            assert stopped["type"] == "ack" and stopped["data"]["state"] == "cancelled"
+            (late,) = await s.request({"type": "agent_approve", "call_id": calls[0]["id"]})
+            assert late["type"] == "error" and late["code"] == "invalid_request"
             (gone,) = await s.request({"type": "agent_learn", "run_id": "nope"})
             assert gone["code"] == "not_found"
 
