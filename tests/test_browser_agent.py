@@ -149,8 +149,10 @@ def test_agent_panel_edit_run_teach_approve(server, page):
     assert "Learned: mcp-time v1" in page.inner_text(f"{LAST_RUN} .job")
     assert page.inner_text(f"{LAST_RUN} .job .badge") == "verified ✓"
 
-    # the next run makes the call itself: approve it as it is, and the result goes back to the model
-    assert run_task(page) == "awaiting_approval"
+    # the same task again makes the call itself: approve it as it is, and the result goes back to the model
+    page.click(f"{LAST_RUN} .run-again")
+    page.wait_for_selector(".agent-run:nth-child(3) .agent-turn")      # the empty note, then two runs
+    assert wait_for_user_or_end(page) == "awaiting_approval"
     assert "skill mcp-time" in page.inner_text(f"{LAST_RUN} .meta")
     call = page.wait_for_selector(f"{LAST_RUN} .tool-call[data-status=pending]")
     assert call.query_selector(".call-name").inner_text() == "get_current_time"

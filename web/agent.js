@@ -316,6 +316,10 @@ class RunView {
       if (frame.type !== "job") return;
       if (!card.jobId) { card.jobId = frame.job_id; ctx.jobs.set(frame.job_id, card); }
       card.update(frame);
+      if (frame.state === "done") {
+        this.jobBox.append(button(`↻ Run the task again with ${frame.adapter}`, () => runTask(this.task),
+          "button primary small run-again", "The same task: see whether the skill now makes the call itself"));
+      }
     });
   }
 }
@@ -452,15 +456,15 @@ function updateComposer() {
   $("agent-stop").hidden = !busy;
 }
 
-function runTask() {
+function runTask(task = null) {
   const input = $("agent-input");
-  const content = input.value.trim();
+  const content = (task ?? input.value).trim();
   if (!content) return;
   const socket = ctx.socket();
   if (!socket?.online) { ctx.toast("Not connected yet; the task was kept"); return; }
   const servers = Object.keys(state.servers).filter((n) => isSelected(n) && state.servers[n].status.state === "ready");
   if (!servers.length) { ctx.toast("Pick at least one ready MCP server for the agent"); return; }
-  input.value = "";
+  if (task === null) input.value = "";
   $("agent-servers").open = false;   // room for the run (the list opens again with a click)
   const run = new RunView(content);
   state.runs.push(run);
