@@ -71,3 +71,16 @@ def tiny_models(tmp_path_factory, tokenizer_source) -> dict[str, Path]:
         "qwen2": make_tiny("qwen2", root / "qwen2", tokenizer_source, tie_word_embeddings=False),
         "qwen3": make_tiny("qwen3", root / "qwen3", tokenizer_source, tie_word_embeddings=False),
     }
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """One headless chromium for all browser tests (they call browser_support.require_chromium first)."""
+    from browser_support import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS
+    from playwright import sync_api
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()

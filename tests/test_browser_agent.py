@@ -5,7 +5,6 @@ approve the call the model now makes by itself; phone width. Screenshots go to t
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -16,22 +15,15 @@ from agent_helpers import PY_SERVER, time_server  # noqa: E402
 
 from dark import OnlineLLM  # noqa: E402
 from dark.server import ServerSettings, create_app  # noqa: E402
+from browser_support import ARTIFACTS, require_chromium  # noqa: E402
 from dark.server.testing import ServerThread  # noqa: E402
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]
-ARTIFACTS = Path(__file__).parent / "artifacts"
 KEY = "browser-agent-key"
 SECRET = "sk-browser-SECRET-91"
 TASK = "What time is it in Tokyo right now?"
 LAST_RUN = ".agent-run:last-child"
 
-if not Path(CHROMIUM).exists():
-    if os.environ.get("CI"):
-        raise RuntimeError(f"{CHROMIUM} is missing: CI must `apt-get install chromium` for the browser tests")
-    pytest.skip(f"{CHROMIUM} is missing (apt-get install chromium)", allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api")
+require_chromium()
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +39,6 @@ def server(llm, tmp_path_factory):
     settings = ServerSettings(api_key=KEY, default_max_tokens=48, mcp_config=mcp_file)
     with ServerThread(create_app(llm, settings)) as server:
         yield server
-
-
-@pytest.fixture(scope="module")
-def browser():
-    ARTIFACTS.mkdir(exist_ok=True)
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield browser
-        browser.close()
 
 
 @pytest.fixture()

@@ -11,12 +11,9 @@ import pytest
 
 from dark import OnlineLLM
 from dark.server import ServerSettings, create_app
+from browser_support import ARTIFACTS, require_chromium  # noqa: E402
 from dark.server.testing import ServerThread
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]
-ARTIFACTS = Path(__file__).parent / "artifacts"
 README_SHOT = Path(__file__).parents[1] / "docs" / "screenshot.png"
 KEY = "browser-test-key"
 QUESTION = "What is the capital of Zoggia?"
@@ -26,11 +23,7 @@ LAST_REPLY_DONE = """() => {
   return m && !m.classList.contains('pending') && m.querySelector('.actions button.regenerate') !== null;
 }"""
 
-if not Path(CHROMIUM).exists():
-    if os.environ.get("CI"):
-        raise RuntimeError(f"{CHROMIUM} is missing: CI must `apt-get install chromium` for the browser tests")
-    pytest.skip(f"{CHROMIUM} is missing (apt-get install chromium)", allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api")
+require_chromium()
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +36,6 @@ def llm(tmp_path_factory):
 def server(llm):
     with ServerThread(create_app(llm, ServerSettings(api_key=KEY, default_max_tokens=48))) as server:
         yield server
-
-
-@pytest.fixture(scope="module")
-def browser():
-    ARTIFACTS.mkdir(exist_ok=True)
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield browser
-        browser.close()
 
 
 @pytest.fixture()
