@@ -1,7 +1,7 @@
 """Settings for the engine, LoRA adapters and learning, as validated dataclasses."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 from .errors import InvalidRequestError
 

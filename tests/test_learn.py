@@ -1,7 +1,6 @@
 """Online learning on the embedded SmolLM2: corrections stick, nothing else moves, nothing is lost."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
