@@ -268,8 +268,8 @@ class OnlineLLM:
                                              "target_modules": list(weights.config.target_modules)})
         versions = [v["version"] for v in self.store.list_versions(name)]
         version = max(versions) + 1 if versions else 1
-        self.learner._publish(name, version, weights, versions and self.engine.adapters.current(name) or None,
-                              {"imported_from": str(path)})
+        parent = self.engine.adapters.current(name) if versions else None
+        self.learner.publish(name, version, weights, parent, {"imported_from": str(path)})
         return version
 
     def adapters(self) -> list[dict]:

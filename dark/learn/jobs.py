@@ -103,9 +103,10 @@ class Learner:
         mc = self.llm.model.config
         weights = AdapterWeights.init(lora, mc.projection_shapes(), mc.num_layers, seed=hash(name) & 0xFFFF)
         self.store.create_adapter(name, {"r": lora.r, "alpha": lora.alpha, "target_modules": list(lora.target_modules)})
-        self._publish(name, 0, weights, None, None)
+        self.publish(name, 0, weights, None, None)
 
-    def _publish(self, name: str, version: int, weights: AdapterWeights, parent: int | None, report: dict | None) -> None:
+    def publish(self, name: str, version: int, weights: AdapterWeights, parent: int | None, report: dict | None) -> None:
+        """Make `weights` version `version` of adapter `name`: saved, recorded, then served to new requests."""
         path = self.version_dir(name, version)
         weights.save(path, base_model=self.llm.model_name)   # on disk before anyone can ask for it
         self.store.add_adapter_version(name, version, str(path), parent_version=parent, report=report)
@@ -204,7 +205,7 @@ class Learner:
                       "seconds": round(time.perf_counter() - started, 3),
                       "train_seconds": round(result.seconds, 3),
                       "examples": len(mine)}
-            self._publish(name, version, result.weights, parent, report)
+            self.publish(name, version, result.weights, parent, report)
             self._save_optimizer(name, result.optimizer_state)
             self.store.update_job(job.id, state="done", report=report)
             job.report = report
