@@ -23,7 +23,7 @@ RUN apt-get update \
  && pip install --upgrade pip
 
 WORKDIR /app
-# dependencies first, so code changes do not reinstall torch
+# the package and its dependencies (torch with CUDA from PyPI), then the UI and entry points
 COPY pyproject.toml README.md ./
 COPY dark ./dark
 COPY kernels ./kernels
