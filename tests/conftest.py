@@ -73,9 +73,13 @@ def tiny_models(tmp_path_factory, tokenizer_source) -> dict[str, Path]:
     }
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
-    """One headless chromium for all browser tests (they call browser_support.require_chromium first)."""
+    """A headless chromium for a browser test module (which calls browser_support.require_chromium first).
+
+    Module scope, not session: Playwright's sync API keeps an event loop running in this thread while it is
+    open, and later modules call asyncio.run().
+    """
     from browser_support import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS
     from playwright import sync_api
 
