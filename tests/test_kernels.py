@@ -97,33 +97,70 @@ def test_lora_matches_reference(dtype, tol, tokens, fan_in, fan_out, rank, max_r
     assert (delta_out - delta_ref).norm() <= 2e-2 * delta_ref.norm() + 1e-6
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("tokens,fan_in,splits,rank,max_rank", [(1, 48, [40, 8, 8], 8, 8), (6, 300, [64, 16, 16], 4, 16),
+                                                                  (3, 700, [96, 96], 16, 16)])
+def test_grouped_lora_matches_reference(dtype, tol, tokens, fan_in, splits, rank, max_rank):
+    """q/k/v or gate/up as one group: stacked A rows, side-by-side B columns, one shrink and one expand."""
+    g = torch.Generator().manual_seed(tokens + fan_in)
+    slots_n, members = 3, len(splits)
+    A = torch.zeros(slots_n, members * max_rank, fan_in)
+    B = torch.zeros(slots_n, max_rank, sum(splits))
+    for m in range(members):
+        A[:, m * max_rank:m * max_rank + rank] = torch.randn(slots_n, rank, fan_in, generator=g)
+    B[:, :rank] = torch.randn(slots_n, rank, sum(splits), generator=g) * 0.1
+    A, B = A.to(DEV, dtype), B.to(DEV, dtype)
+    x = torch.randn(tokens, fan_in, generator=g).to(DEV, dtype)
+    y = torch.randn(tokens, sum(splits), generator=g).to(DEV, dtype)
+    token_slots = torch.randint(-1, slots_n, (tokens,), generator=g)
+    token_slots[0] = 2
+    ref = lora_reference(x.cpu(), y.cpu(), A.cpu(), B.cpu(), token_slots, rank, splits=splits, stride=max_rank)
+    out = lora_apply(x, y.clone(), A, B, token_slots.to(DEV), rank, splits=splits, stride=max_rank)
+    assert rel_err(out.cpu(), ref) < tol
+    delta_out, delta_ref = out.cpu().double() - y.cpu().double(), ref.double() - y.cpu().double()
+    assert (delta_out - delta_ref).norm() <= 2e-2 * delta_ref.norm() + 1e-6
+
+
 def test_slot_lora_kernel_path_matches_torch_path():
-    """SlotLoRA's two paths (kernels, dense torch math) on the same slots and a mixed batch."""
+    """SlotLoRA's two paths (kernels, dense torch math) on the same slots and a mixed batch, per projection and
+    per fused group (q/k/v, gate/up: one call on the concatenated output equals each member on its own, also
+    when an adapter targets only some members)."""
     from types import SimpleNamespace
 
     from dark.lora.slots import AdapterSlots, SlotLoRA
     from dark.lora.weights import AdapterWeights
     from dark.config import LoraConfig
 
-    shapes = {"q_proj": (32, 48), "down_proj": (64, 32)}
+    shapes = {"q_proj": (32, 48), "k_proj": (32, 16), "v_proj": (32, 16), "gate_proj": (32, 40),
+              "up_proj": (32, 40), "down_proj": (64, 32)}
     cfg = SimpleNamespace(projection_shapes=lambda: shapes)
     slots = AdapterSlots(cfg, 4, 16, torch.device(DEV), torch.float32)
-    for s, r in ((0, 8), (2, 4)):
-        w = AdapterWeights.init(LoraConfig(r=r, alpha=2 * r, target_modules=tuple(shapes)), shapes, 2, seed=s)
+    for s, r, targets in ((0, 8, tuple(shapes)), (2, 4, ("q_proj", "v_proj", "up_proj", "down_proj"))):
+        w = AdapterWeights.init(LoraConfig(r=r, alpha=2 * r, target_modules=targets),
+                                {m: shapes[m] for m in targets}, 2, seed=s)
         for a, b in w.tensors.values():
             b.normal_(0, 0.5)
         slots.load(s, w)
+    assert set(slots.groups) == {(0, "qkv"), (1, "qkv"), (0, "gate_up"), (1, "gate_up")}
     token_slots = [0, -1, 2, 2, 0, -1]
     g = torch.Generator().manual_seed(0)
     dense = SlotLoRA(slots, [0, 2], torch.tensor(token_slots, device=DEV))
     fast = SlotLoRA.with_kernels(slots, torch.tensor(token_slots, dtype=torch.int32, device=DEV))
-    for layer, module in ((0, "q_proj"), (1, "down_proj")):
+    for layer, module in ((0, "q_proj"), (1, "k_proj"), (1, "down_proj")):
         fan_in, fan_out = shapes[module]
         x = torch.randn(len(token_slots), fan_in, generator=g).to(DEV)
         y = torch.randn(len(token_slots), fan_out, generator=g).to(DEV)
         ref = dense.apply(layer, module, x, y.clone())
         out = fast.apply(layer, module, x, y.clone())
+        assert (ref - y).abs().max() > 0.1  # the adapters do change these outputs
         assert rel_err(out.cpu(), ref.cpu()) < 1e-5
+    for layer, group, members in ((0, "qkv", ("q_proj", "k_proj", "v_proj")), (1, "gate_up", ("gate_proj", "up_proj"))):
+        x = torch.randn(len(token_slots), 32, generator=g).to(DEV)
+        ys = [torch.randn(len(token_slots), shapes[m][1], generator=g).to(DEV) for m in members]
+        each = torch.cat([dense.apply(layer, m, x, y.clone()) for m, y in zip(members, ys)], -1)
+        for lora in (dense, fast):
+            grouped = lora.apply_group(layer, group, x, torch.cat(ys, -1))
+            assert rel_err(grouped.cpu(), each.cpu()) < 1e-5
 
 
 @pytest.fixture(scope="module")

@@ -68,6 +68,29 @@ def test_lora_qwen_shapes(tokens, fan_in, fan_out):
     assert (delta - delta_ref).norm() <= BF16_TOL * delta_ref.norm() + 1e-3
 
 
+@pytest.mark.parametrize("tokens", [1, 32])
+@pytest.mark.parametrize("splits", [[3584, 512, 512], [18944, 18944]])
+def test_grouped_lora_qwen_shapes(tokens, splits):
+    """The fused q/k/v and gate/up groups of Qwen2.5-7B: one shrink and one expand for the whole group."""
+    from dark.kernels.lora import lora_apply, lora_reference
+
+    g = torch.Generator(device="cuda").manual_seed(sum(splits) + tokens)
+    slots, max_rank, rank, fan_in = 8, 64, 16, 3584
+    A = torch.zeros(slots, len(splits) * max_rank, fan_in, device="cuda", dtype=torch.bfloat16)
+    B = torch.zeros(slots, max_rank, sum(splits), device="cuda", dtype=torch.bfloat16)
+    for m in range(len(splits)):
+        A[:, m * max_rank:m * max_rank + rank] = torch.randn(slots, rank, fan_in, device="cuda", generator=g).to(torch.bfloat16) * 0.02
+    B[:, :rank] = torch.randn(slots, rank, sum(splits), device="cuda", generator=g).to(torch.bfloat16) * 0.02
+    x = torch.randn(tokens, fan_in, device="cuda", generator=g).to(torch.bfloat16)
+    y = torch.randn(tokens, sum(splits), device="cuda", generator=g).to(torch.bfloat16)
+    token_slots = torch.randint(-1, slots, (tokens,), device="cuda", generator=g)
+    token_slots[0] = 3
+    out = lora_apply(x, y.clone(), A, B, token_slots, rank, splits=splits, stride=max_rank)
+    ref = lora_reference(x, y, A, B, token_slots, rank, splits=splits, stride=max_rank)
+    delta, delta_ref = out.double() - y.double(), ref.double() - y.double()
+    assert (delta - delta_ref).norm() <= BF16_TOL * delta_ref.norm() + 1e-3
+
+
 def test_norm_rope_qwen_shapes():
     from dark.kernels.norm_rope import rms_norm, rms_norm_reference, rotary, rotary_reference
 

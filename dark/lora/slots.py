@@ -19,6 +19,9 @@ from .weights import AdapterWeights, Key
 
 
 KERNEL_MAX_TOKENS = 64  # past this (long prefills), the dense torch math reads each adapter once
+# projections that share their input and run as one GEMM in the decoder (CausalLM.fuse_projections)
+GROUPS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+MEMBERS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 
 
 class AdapterSlots:
@@ -28,6 +31,10 @@ class AdapterSlots:
         self.shapes = cfg.projection_shapes()
         self.A: dict[Key, torch.Tensor] = {}
         self.B: dict[Key, torch.Tensor] = {}
+        # per fused group (dark.kernels.lora): A [slots, members * max_rank, in] (stacked rows) and
+        # B [slots, max_rank, sum of outs] (side by side), with the members' out sizes; each member's A/B above
+        # is a view of its part, so one shrink and one expand give the whole group's delta
+        self.groups: dict[Key, tuple[torch.Tensor, torch.Tensor, list[int]]] = {}
         self.rank = [0] * num_slots
         self.use_kernels = kernel_module().available(device)
         # bumps when a factor tensor is allocated: CUDA graphs captured before then lack that projection
@@ -35,7 +42,23 @@ class AdapterSlots:
 
     def _ensure(self, key: Key) -> None:
         # allocated on first use, so the 150k-wide LM head costs memory only once an adapter targets it
-        if key not in self.A:
+        if key not in self.A and key[1] in GROUPS and all(m in self.shapes for m in MEMBERS[GROUPS[key[1]]]):
+            group = GROUPS[key[1]]
+            members = MEMBERS[group]
+            fan_in = self.shapes[members[0]][0]
+            outs = [self.shapes[m][1] for m in members]
+            mr = self.max_rank
+            kw = dict(dtype=self.dtype, device=self.device)
+            A = torch.zeros(self.num_slots, len(members) * mr, fan_in, **kw)
+            B = torch.zeros(self.num_slots, mr, sum(outs), **kw)
+            self.groups[(key[0], group)] = (A, B, outs)
+            col = 0
+            for i, (m, n) in enumerate(zip(members, outs)):
+                self.A[(key[0], m)] = A[:, i * mr:(i + 1) * mr]
+                self.B[(key[0], m)] = B[:, :, col:col + n]
+                col += n
+            self.version += 1
+        elif key not in self.A:
             fan_in, fan_out = self.shapes[key[1]]
             self.A[key] = torch.zeros(self.num_slots, self.max_rank, fan_in, dtype=self.dtype, device=self.device)
             self.B[key] = torch.zeros(self.num_slots, self.max_rank, fan_out, dtype=self.dtype, device=self.device)
@@ -98,9 +121,26 @@ class SlotLoRA:
         A = self.slots.A.get((layer, module))
         if A is None:
             return y
+        return self._delta(A, self.slots.B[(layer, module)], self.r, x, y)
+
+    def apply_group(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The delta of every projection in a fused group ("qkv", "gate_up") on their concatenated output."""
+        entry = self.slots.groups.get((layer, group))
+        if entry is None:
+            return y
+        A, B, outs = entry
         if self.kernel_slots is not None:
-            return kernel_module("lora").lora_apply(x, y, A, self.slots.B[(layer, module)], self.kernel_slots, self.r)
-        B, r = self.slots.B[(layer, module)], self.r
+            return kernel_module("lora").lora_apply(x, y, A, B, self.kernel_slots, self.r, splits=outs,
+                                                    stride=self.slots.max_rank)
+        col = 0
+        for m, n in zip(MEMBERS[group], outs):
+            y[:, col:col + n] = self.apply(layer, m, x, y[:, col:col + n])
+            col += n
+        return y
+
+    def _delta(self, A: torch.Tensor, B: torch.Tensor, r: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.kernel_slots is not None:
+            return kernel_module("lora").lora_apply(x, y, A, B, self.kernel_slots, r)
         if self.uniform:
             s = self.active[0]
             return y + (x @ A[s, :r].t()) @ B[s, :r]
