@@ -375,7 +375,7 @@ def bench_learn_latency(llm, args, report, save) -> None:
     anchors = llm.learner.dir.parent / "anchors.json"
     for k in args.k:
         # the first job of a fresh data folder: no anchor answers yet (bench-side reset of the trainer's cache)
-        llm.learner.trainer._anchors = None
+        llm.learner.trainer._anchors = {}
         anchors.unlink(missing_ok=True)
         name = f"bench-k{k}"
         for job_no in (1, 2):

@@ -1,0 +1,417 @@
+"""The whole speed table of the GPU issue in one command, with the Hugging Face + PEFT baseline in the same run.
+
+Random bf16 weights in the exact Qwen2.5-7B-Instruct shapes (speed does not depend on the values), LoRA rank 16 on
+all 7 linear projections. Each line of the table is measured in turn; a line that fails is recorded as an error
+and the others still run. At the end the run's figures go to `bench/latest.json` (the keys of the issue) and a
+dated table is appended to `bench/RESULTS.md`; `--copy-to DIR` also puts both there (the device tool's $OUT).
+
+    # on the H200 (device tool; .data is gitignored, so carry the tokenizer folder), about 4 minutes:
+    PYTHONPATH=$PWD python3 bench/run_all.py --tokenizer .data/tok --copy-to $OUT
+    # check the script itself on a CPU with tiny shapes (writes to a temp folder unless --results is given):
+    python bench/run_all.py --tiny --device cpu --tokenizer .data/tok
+
+Lines (dark / baseline):
+  decode_bs1_tok_s          batch-1 greedy decode tok/s, no adapter / HF generate
+  decode_bs1_adapter_tok_s  the same with one active LoRA adapter / HF generate on the PEFT model
+  multi_adapter_ratio       64 sequences over 32 distinct adapters: median decode step time of the same 64
+                            sequences without adapters over it (1.0 = adapters cost nothing)
+  offline_tok_s             256 requests, prompt and output lengths uniform in 100..1024, all submitted at once:
+                            output tokens / wall time / HF generate, one batch of 32 (prompt 512, 128 new tokens)
+  train_tok_s               LoRA training tokens/s on packed 2k sequences (2 x 2048 per step) / PEFT, same batch
+  correction_to_publish_s   one ~512-token correction, submit_learn -> version published (1 step: random
+                            weights never verify), a warm adapter's second job; the first job is reported too
+  decode_p99_ratio_during_training, train_ratio_during_decode
+                            8 greedy streams' p99 per-token latency while a training loop runs over solo, and the
+                            loop's tokens/s during decode over its solo rate
+  memory_outside_kv_gb      peak device memory of the dark phase (serving, 32 adapters, training) less the KV
+                            cache / HF + PEFT peak while training
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from bench_decode import (QWEN25_7B, TINY, StepClock, bench_hf, bench_ours, graph_replay_ms,  # noqa: E402
+                          hf_generate, prompts_ids, random_adapter, sync)
+from bench_learn_gpu import (PeftRunner, bench_dark_decode, bench_dark_train, bench_learn_latency,  # noqa: E402
+                             build_model, mem, reset_peak, train_batch)
+
+TARGETS = {  # key: (target, "min" = at least / "max" = at most, the issue's anchor)
+    "decode_bs1_tok_s": (260, "min"), "decode_bs1_adapter_ratio": (0.95, "min"), "multi_adapter_ratio": (0.90, "min"),
+    "offline_tok_s": (12000, "min"), "train_tok_s": (14000, "min"), "correction_to_publish_s": (1.0, "max"),
+    "decode_p99_ratio_during_training": (1.3, "max"), "train_ratio_during_decode": (0.70, "min"),
+    "memory_outside_kv_gb": (20, "max"),
+}
+
+
+def gib(n: float) -> float:
+    return round(n / 2**30, 2)
+
+
+def run_requests(llm, requests: list[tuple[list[int], int, object]], timeout: float = 900) -> tuple[float, int]:
+    """Submit every (prompt ids, max_tokens, adapter) at once; wall seconds until all finish, output tokens."""
+    from dark.engine.sequence import SamplingParams
+
+    left, done, lock, errors, produced = [len(requests)], threading.Event(), threading.Lock(), [], [0]
+
+    def on_output(out):
+        if out.finished:
+            with lock:
+                produced[0] += out.completion_tokens
+                if out.error is not None:
+                    errors.append(repr(out.error))
+                left[0] -= 1
+                if not left[0]:
+                    done.set()
+
+    t0 = time.perf_counter()
+    for ids, n, adapter in requests:
+        llm.engine.add_request(ids, SamplingParams(max_tokens=n, ignore_eos=True), adapter, on_output)
+    if not done.wait(timeout):
+        raise RuntimeError(f"requests did not finish in {timeout} s")
+    if errors:
+        raise RuntimeError(f"a request failed: {errors[0]}")
+    return time.perf_counter() - t0, produced[0]
+
+
+def decode_step_ms(clock: StepClock, batch: int) -> float:
+    """Median wall time between consecutive steps in which every one of `batch` sequences decoded."""
+    steps = [s for s in clock.steps if s[2] == batch]
+    return 1000 * statistics.median(b[1] - a[1] for a, b in zip(steps, steps[1:]))
+
+
+class Run:
+    def __init__(self, args):
+        self.args = args
+        self.device = torch.device(args.device)
+        self.report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": self.device_name(),
+                       "torch": torch.__version__, "shape": "tiny Qwen2" if args.tiny else "Qwen2.5-7B-Instruct",
+                       "figures": {}, "details": {}, "errors": {}, "seconds": {}}
+
+    def device_name(self) -> str:
+        if self.device.type == "cuda":
+            return torch.cuda.get_device_name(self.device)
+        import platform
+        return f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
+
+    def part(self, name: str, fn) -> None:
+        t = time.perf_counter()
+        print(f"--- {name}", flush=True)
+        try:
+            fn()
+        except Exception:
+            self.report["errors"][name] = traceback.format_exc(limit=6)
+            traceback.print_exc()
+        self.report["seconds"][name] = round(time.perf_counter() - t, 1)
+        self.save()
+
+    def fig(self, key: str, value) -> None:
+        self.report["figures"][key] = value
+        print(f"{key} = {value}", flush=True)
+
+    def save(self) -> None:
+        if self.args.json:
+            self.args.json.parent.mkdir(parents=True, exist_ok=True)
+            self.args.json.write_text(json.dumps(self.latest(), indent=1, default=str))
+            (self.args.json.parent / "run_all_details.json").write_text(json.dumps(self.report, indent=1, default=str))
+            if self.args.copy_to:  # after every part: a run cut off by a time limit still leaves its figures
+                self.args.copy_to.mkdir(parents=True, exist_ok=True)
+                for name in ("latest.json", "run_all_details.json"):
+                    shutil.copy(self.args.json.parent / name, self.args.copy_to / name)
+
+    def latest(self) -> dict:
+        out = {"date": self.report["date"], "device": self.report["device"], "shape": self.report["shape"]}
+        out.update(self.report["figures"])
+        out["errors"] = sorted(self.report["errors"])
+        return out
+
+
+# --- Hugging Face + PEFT ---
+def hf_parts(run: Run, hf) -> None:
+    a, dev = run.args, run.device
+    run.part("hf_decode_bs1", lambda: run.fig("hf_decode_bs1_tok_s",
+                                              bench_hf(hf, 1, a.prompt_len, a.bs1_tokens, dev, seed=10)["decode_tok_s"]))
+
+    def offline():
+        prompts = prompts_ids(a.hf_offline_batch, a.hf_offline_prompt, 7)
+        hf_generate(hf, prompts[:2], 4, dev)
+        secs = hf_generate(hf, prompts, a.hf_offline_new, dev)
+        run.fig("hf_offline_tok_s", round(a.hf_offline_batch * a.hf_offline_new / secs, 1))
+        run.report["details"]["hf_offline"] = {"batch": a.hf_offline_batch, "prompt": a.hf_offline_prompt,
+                                               "new_tokens": a.hf_offline_new, "seconds": round(secs, 2)}
+    run.part("hf_offline", offline)
+
+    holder = {}
+
+    def train():
+        ids, labels = train_batch(a.train_batch, a.seq_len, a.label_tokens)
+        reset_peak(dev)
+        runner = holder["runner"] = PeftRunner(hf, ids, labels)
+        for _ in range(a.warmup):
+            runner.step()
+        sync(dev)
+        t = time.perf_counter()
+        for _ in range(a.steps):
+            runner.step()
+        sync(dev)
+        run.fig("hf_train_tok_s", round(a.steps * a.train_batch * a.seq_len / (time.perf_counter() - t), 1))
+        if dev.type == "cuda":
+            run.fig("hf_peak_memory_gb", gib(torch.cuda.max_memory_allocated(dev)))
+    run.part("hf_train", train)
+
+    def adapter():
+        model = holder["runner"].model if "runner" in holder else None
+        if model is None:
+            raise RuntimeError("no PEFT model (its training part failed)")
+        model.eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        with torch.no_grad():
+            run.fig("hf_decode_bs1_adapter_tok_s", bench_hf(model, 1, a.prompt_len, a.bs1_tokens, dev, seed=10)["decode_tok_s"])
+    run.part("hf_decode_bs1_adapter", adapter)
+    holder.clear()
+
+
+# --- dark ---
+def dark_parts(run: Run, llm) -> None:
+    a, dev = run.args, run.device
+    clock = StepClock(llm.engine.runner)
+    eng = llm.engine
+
+    def bs1():
+        fig = bench_ours(llm, clock, 1, a.prompt_len, a.bs1_tokens, seed=10, repeats=a.repeats)
+        run.fig("decode_bs1_tok_s", fig["decode_tok_s"])
+        eng.adapters.publish("one", 1, random_adapter(llm, 16, seed=1))
+        fig2 = bench_ours(llm, clock, 1, a.prompt_len, a.bs1_tokens, adapter=("one", 1), seed=10, repeats=a.repeats)
+        run.fig("decode_bs1_adapter_tok_s", fig2["decode_tok_s"])
+        run.fig("decode_bs1_adapter_ratio", round(fig2["decode_tok_s"] / fig["decode_tok_s"], 3))
+        run.report["details"]["decode_bs1"] = {"base": fig, "adapter": fig2}
+        if dev.type == "cuda" and eng.runner.use_graphs:
+            run.report["details"]["graph_replay_ms"] = graph_replay_ms(eng.runner)
+    run.part("decode_bs1", bs1)
+
+    def multi():
+        names = [f"m{i}" for i in range(a.adapters)]
+        for i, name in enumerate(names):
+            eng.adapters.publish(name, 1, random_adapter(llm, 16, seed=100 + i))
+        prompts = prompts_ids(a.multi_batch, a.prompt_len, 21)
+        mixed = [(p, a.multi_tokens, (names[i % len(names)], 1)) for i, p in enumerate(prompts)]
+        plain = [(p, a.multi_tokens, None) for p in prompts]
+        run_requests(llm, [(p, 4, ad) for p, _, ad in mixed])  # warm-up: graphs for this bucket, adapters resident
+        run_requests(llm, [(p, 4, None) for p, _, _ in plain])
+        times = {}
+        for label, reqs in (("none", plain), ("mixed", mixed), ("none_again", plain), ("mixed_again", mixed)):
+            clock.steps.clear()
+            run_requests(llm, reqs)
+            times[label] = round(decode_step_ms(clock, a.multi_batch), 3)
+        base = statistics.fmean([times["none"], times["none_again"]])
+        adapters = statistics.fmean([times["mixed"], times["mixed_again"]])
+        run.fig("multi_adapter_ratio", round(base / adapters, 3))
+        run.report["details"]["multi_adapter_step_ms"] = times
+    run.part("multi_adapter", multi)
+
+    def offline():
+        rng = random.Random(0)
+        lo, hi = a.offline_range
+        reqs = [(prompts_ids(1, rng.randint(lo, hi), 1000 + i)[0], rng.randint(lo, hi), None) for i in range(a.offline_requests)]
+        # warm-up: the batch shrinks through every graph bucket once
+        run_requests(llm, [(prompts_ids(1, 32, 5000 + i)[0], 1 + i // 8, None) for i in range(a.offline_requests)])
+        secs, produced = run_requests(llm, reqs)
+        run.fig("offline_tok_s", round(produced / secs, 1))
+        run.report["details"]["offline"] = {"requests": len(reqs), "output_tokens": produced,
+                                            "prompt_tokens": sum(len(p) for p, _, _ in reqs), "seconds": round(secs, 2)}
+    run.part("offline", offline)
+
+    train_args = SimpleNamespace(train_batch=a.train_batch, seq_len=a.seq_len, label_tokens=a.label_tokens,
+                                 warmup=a.warmup, steps=a.steps, streams=a.streams, prompt_len=a.prompt_len,
+                                 new_tokens=a.stream_tokens, decode_rounds=1, k=[1], example_tokens=a.example_tokens,
+                                 job_timeout=120)
+    sub = {"train": [], "decode": [], "learn": []}
+    solo = {}
+    run.part("train", lambda: solo.update(rate=bench_dark_train(llm, train_args, dev, sub, run.save, "dark",
+                                                                kl_weight=0.0)))
+    if "rate" in solo:
+        run.fig("train_tok_s", solo["rate"])
+
+    def during():
+        bench_dark_decode(llm, clock, train_args, dev, sub, run.save, solo.get("rate"))
+        d = sub["decode"][-1]
+        run.fig("decode_p99_ratio_during_training", round(d["while_training"]["p99_ms"] / d["solo"]["p99_ms"], 3))
+        run.fig("train_ratio_during_decode", d["train_ratio"])
+    run.part("decode_during_training", during)
+
+    def correction():
+        bench_learn_latency(llm, train_args, sub, run.save)
+        jobs = sub["learn"]
+        warm = [j for j in jobs if j["job"] == 2 and j["to_done_s"] is not None]
+        if not warm:
+            raise RuntimeError(f"no second job finished: {jobs}")
+        run.fig("correction_to_publish_s", warm[0]["to_done_s"])
+        run.fig("correction_first_job_s", jobs[0]["to_done_s"])
+    run.part("correction", correction)
+    run.report["details"].update(sub)
+
+
+def memory(run: Run, llm) -> None:
+    if run.device.type != "cuda":
+        return
+    cache = llm.engine.cache.data
+    kv = cache.numel() * cache.element_size()
+    peak = torch.cuda.max_memory_allocated(run.device)
+    slots = llm.engine.adapters.slots
+    def storage_bytes(tensors) -> int:  # views of one storage (fused weights, grouped factors) count once
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+    lora = storage_bytes(list(slots.A.values()) + list(slots.B.values()))
+    weights = storage_bytes(list(llm.model.parameters()))
+    run.fig("memory_outside_kv_gb", gib(peak - kv))
+    run.report["details"]["memory_gb"] = {"peak": gib(peak), "kv_cache": gib(kv), "adapter_slots": gib(lora),
+                                          "weights": gib(weights), **mem(run.device)}
+
+
+def met(key: str, value) -> str:
+    if key not in TARGETS or value is None:
+        return ""
+    target, kind = TARGETS[key]
+    return "yes" if (value >= target if kind == "min" else value <= target) else "no"
+
+
+def table(report: dict) -> str:
+    f = report["figures"]
+    rows = [
+        ("batch-1 decode, base (tok/s)", "decode_bs1_tok_s", "hf_decode_bs1_tok_s", ">= 260"),
+        ("batch-1 decode, one adapter (tok/s)", "decode_bs1_adapter_tok_s", "hf_decode_bs1_adapter_tok_s", ""),
+        ("  adapter / base", "decode_bs1_adapter_ratio", None, ">= 0.95"),
+        ("64 seqs, 32 adapters: step time without / with", "multi_adapter_ratio", None, ">= 0.90"),
+        ("offline 256 requests (output tok/s)", "offline_tok_s", "hf_offline_tok_s", ">= 12000"),
+        ("LoRA training, packed 2k (tok/s)", "train_tok_s", "hf_train_tok_s", ">= 14000"),
+        ("512-token correction -> published (s)", "correction_to_publish_s", None, "<= 1"),
+        ("decode p99 during training / solo", "decode_p99_ratio_during_training", None, "<= 1.3"),
+        ("training rate during decode / solo", "train_ratio_during_decode", None, ">= 0.70"),
+        ("device memory outside the KV cache (GB)", "memory_outside_kv_gb", "hf_peak_memory_gb", "<= 20"),
+    ]
+    lines = ["| what | dark | HF + PEFT, same run | target | met |", "| --- | --- | --- | --- | --- |"]
+    for label, key, hf_key, target in rows:
+        lines.append(f"| {label} | {f.get(key, 'error' if key else '')} | {f.get(hf_key, '') if hf_key else ''} | "
+                     f"{target} | {met(key, f.get(key))} |")
+    return "\n".join(lines)
+
+
+def append_results(run: Run, path: Path) -> None:
+    r, a = run.report, run.args
+    text = (f"\n## run_all.py, {r['date']}, {r['device']}\n\n"
+            f"Command: `PYTHONPATH=$PWD python3 bench/run_all.py --tokenizer .data/tok{' --tiny' if a.tiny else ''}`; "
+            f"{r['shape']} shapes, random bf16 weights, LoRA r16 on all 7 projections; torch {r['torch']}. "
+            f"Seconds per part: {json.dumps(r['seconds'])}.\n\n{table(r)}\n")
+    if r["errors"]:
+        text += "\nParts that failed: " + ", ".join(f"{k} ({v.strip().splitlines()[-1]})" for k, v in r["errors"].items()) + "\n"
+    with path.open("a") as f:
+        f.write(text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokenizer", type=Path, default=Path(".data/tok"))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="tiny Qwen2 shapes and sizes: checks the script, not speed")
+    ap.add_argument("--json", type=Path, help="latest.json path (default bench/latest.json; --tiny: a temp folder)")
+    ap.add_argument("--results", type=Path, help="RESULTS.md to append to (default bench/RESULTS.md; --tiny: none)")
+    ap.add_argument("--copy-to", type=Path, help="also copy latest.json, the details and RESULTS.md here")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--bs1-tokens", type=int, default=128)
+    ap.add_argument("--adapters", type=int, default=32)
+    ap.add_argument("--multi-batch", type=int, default=64)
+    ap.add_argument("--multi-tokens", type=int, default=64)
+    ap.add_argument("--offline-requests", type=int, default=256)
+    ap.add_argument("--offline-range", type=int, nargs=2, default=[100, 1024])
+    ap.add_argument("--hf-offline-batch", type=int, default=32)
+    ap.add_argument("--hf-offline-prompt", type=int, default=512)
+    ap.add_argument("--hf-offline-new", type=int, default=128)
+    ap.add_argument("--train-batch", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--label-tokens", type=int, default=1024)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--stream-tokens", type=int, default=192)
+    ap.add_argument("--example-tokens", type=int, default=512)
+    args = ap.parse_args()
+    shape = QWEN25_7B
+    if args.tiny:
+        shape = TINY
+        args.bs1_tokens, args.adapters, args.multi_batch, args.multi_tokens = 16, 4, 8, 8
+        args.offline_requests, args.offline_range = 12, [8, 24]
+        args.hf_offline_batch, args.hf_offline_prompt, args.hf_offline_new = 4, 16, 8
+        args.train_batch, args.seq_len, args.label_tokens, args.steps = 1, 64, 32, 2
+        args.streams, args.stream_tokens, args.example_tokens, args.repeats = 2, 12, 96, 1
+    tmp = Path(tempfile.mkdtemp(prefix="dark-run-all-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    if args.json is None:
+        args.json = tmp / "latest.json" if args.tiny else HERE / "latest.json"
+    if args.results is None and not args.tiny:
+        args.results = HERE / "RESULTS.md"
+    run = Run(args)
+    t_start = time.perf_counter()
+    try:
+        from dark import OnlineLLM
+
+        folder = tmp / "model"
+        t = time.perf_counter()
+        hf = build_model(shape, args.tokenizer.resolve(), folder, run.device)
+        run.report["seconds"]["build"] = round(time.perf_counter() - t, 1)
+        if not args.skip_hf:
+            hf_parts(run, hf)
+        del hf
+        gc.collect()
+        if run.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(run.device)
+        t = time.perf_counter()
+        lo, hi = args.offline_range
+        blocks = (args.offline_requests * 2 * hi) // 16 + 1024 if run.device.type == "cuda" else 2048
+        llm = OnlineLLM(str(folder), data_dir=tmp / "data", device=str(run.device), dtype="bfloat16",
+                        num_kv_blocks=blocks, max_num_seqs=max(args.offline_requests, args.multi_batch),
+                        max_num_batched_tokens=8192, max_adapter_slots=args.adapters + 2, max_lora_rank=16)
+        run.report["seconds"]["dark_load"] = round(time.perf_counter() - t, 1)
+        try:
+            dark_parts(run, llm)
+            memory(run, llm)
+        finally:
+            llm.close()
+    except Exception:
+        run.report["errors"]["setup"] = traceback.format_exc()
+        traceback.print_exc()
+    finally:
+        run.report["seconds"]["total"] = round(time.perf_counter() - t_start, 1)
+        run.save()
+        if args.results:
+            append_results(run, args.results)
+        shutil.rmtree(tmp / "model", ignore_errors=True)
+        if args.copy_to:
+            args.copy_to.mkdir(parents=True, exist_ok=True)
+            for p in (args.results,):
+                if p and p.exists():
+                    shutil.copy(p, args.copy_to / p.name)
+    print(table(run.report))
+
+
+if __name__ == "__main__":
+    main()
