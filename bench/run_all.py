@@ -116,7 +116,7 @@ class Run:
         print(f"--- {name}", flush=True)
         try:
             fn()
-        except Exception:
+        except (Exception, SystemExit):  # the shared helpers end a failed generation with SystemExit
             self.report["errors"][name] = traceback.format_exc(limit=6)
             traceback.print_exc()
         self.report["seconds"][name] = round(time.perf_counter() - t, 1)

@@ -45,7 +45,13 @@ class ModelRunner:
         self.use_graphs = on and graphs and self.device.type == "cuda"
         self.slots.use_kernels = on
         self.model.use_fused_kernels(on)
+        self._drop_graphs()
+
+    def _drop_graphs(self) -> None:
+        """Forget every captured graph, and their memory pool with them: a pool whose graphs are all gone is
+        released by the allocator, and capturing into its old handle again fails."""
         self._graphs.clear()
+        self._pool = None
 
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]]) -> dict[int, tuple[int, float | None]]:
@@ -87,8 +93,10 @@ class ModelRunner:
         if rows <= self._buffers_for and width <= self._bt_dev.shape[1]:
             return
         rows = max(rows, self._buffers_for, GRAPH_BUCKETS[-1])
-        width = max(width, 64, self._bt_dev.shape[1] * 2 if self._buffers_for else 0)
-        self._graphs.clear()
+        # wide enough for the longest context from the start (a few MB), so graphs are rarely captured again
+        longest = min(self.cache.num_blocks, 4096)
+        width = max(width, 64, longest, self._bt_dev.shape[1] * 2 if self._buffers_for else 0)
+        self._drop_graphs()
         pin = self.device.type == "cuda"
         self._meta_host = torch.zeros(5, rows, dtype=torch.int64, pin_memory=pin)
         self._meta_dev = torch.zeros(5, rows, dtype=torch.int64, device=self.device)
