@@ -3,8 +3,9 @@
     python bench/bench_generalise_cpu.py [--out gen.json]
 
 For each fact, one learn() on the embedded SmolLM2 with the fact's prompt, then exact-match checks of the
-taught answer on unseen rephrasings, and of the unrelated probes against the base model's answers. Run once
-with the rewording augmentation on and once off, and once with each anchor loss (replay, KL).
+taught answer on unseen rephrasings, and of the unrelated probes against the base model's answers. Settings
+compared by default: the defaults (protected subspaces, no anchor loss), protected subspaces + anchor replay,
+anchor replay alone, KL on the anchors alone, nothing, and the defaults without the rewording augmentation.
 """
 from __future__ import annotations
 
@@ -65,7 +66,9 @@ def main():
     ap.add_argument("--configs", type=int, default=5, help="run only the first N settings")
     ap.add_argument("--settings", default="", help="a JSON list of learn() keyword sets to compare instead")
     args = ap.parse_args()
-    configs = [{}, {"anchor_prompts": MORE_ANCHORS}, {"augment": False}, {"anchor_loss": "kl"}, {"kl_weight": 0.0}]
+    configs = [{}, {"kl_weight": 1.0}, {"protect_energy": 0.0, "kl_weight": 1.0},
+               {"protect_energy": 0.0, "kl_weight": 1.0, "anchor_loss": "kl"}, {"protect_energy": 0.0},
+               {"augment": False}]
     if args.settings:
         configs = json.loads(args.settings)
     rows = [run(s) for s in configs[:args.configs]]

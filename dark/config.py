@@ -82,9 +82,11 @@ class LearnConfig:
     verify_min_prob: float = 0.5     # each taught token must be the model's choice with at least this probability
     batch_size: int = 16             # examples per step (new ones first, then replayed ones)
     replay: int = 24                 # earlier examples of the same adapter replayed in each job, so skills accumulate
-    kl_weight: float = 1.0           # keep answers to unrelated anchor prompts where the adapter-free model had them
+    kl_weight: float = 0.0           # keep answers to unrelated anchor prompts where the adapter-free model had them
     anchor_loss: str = "replay"      # "replay": train on the base model's own answers; "kl": KL to its distributions
     anchor_prompts: tuple[str, ...] = ()  # prompts whose adapter-free answers must not change; empty: a built-in set
+    protect_energy: float = 0.99     # keep A's updates out of the directions holding this share of everyday
+                                     # activations (dark.learn.protect); 0 turns it off
     dpo_beta: float = 0.5            # preference strength for corrections (the replaced answer is rejected)
     dpo_weight: float = 0.5
     weight_decay: float = 0.0
@@ -99,6 +101,7 @@ class LearnConfig:
         _check(0 < self.verify_min_prob < 1, "verify_min_prob must be in (0, 1)")
         _check(self.batch_size >= 1 and self.replay >= 0, "batch_size must be >= 1 and replay >= 0")
         _check(self.anchor_loss in ("replay", "kl"), "anchor_loss must be 'replay' or 'kl'")
+        _check(0 <= self.protect_energy < 1, "protect_energy must be in [0, 1)")
         self.anchor_prompts = tuple(self.anchor_prompts)
         _check(all(isinstance(p, str) and p.strip() for p in self.anchor_prompts), "anchor_prompts must be non-empty strings")
         if not self.anchor_prompts:

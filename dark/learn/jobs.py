@@ -20,6 +20,7 @@ from ..errors import DarkError, InvalidRequestError
 from ..lora.weights import AdapterWeights
 from ..store.db import Store
 from .data import normalize_examples
+from .protect import Cancelled
 from .trainer import ANCHOR_TOKENS, Trainer
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class Learner:
         path = self.dir.parent / "anchors.json"
         cached = json.loads(path.read_text()) if path.is_file() else {}
         if any(p not in cached for p in prompts):
-            answers = self.llm.generate(prompts, max_tokens=2 * ANCHOR_TOKENS)
+            answers = self.llm.generate(prompts, max_tokens=ANCHOR_TOKENS + 1)
             cached.update(zip(prompts, answers))
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
@@ -174,6 +175,12 @@ class Learner:
         return self._jobs.get(job_id)
 
     def _loop(self) -> None:
+        try:  # one-time preparation while no job waits (dark.learn.protect); a job queued meanwhile waits for it
+            self.trainer.protector(self.config.protect_energy, stop=lambda: self._closed)
+        except Cancelled:
+            return
+        except Exception:
+            log.exception("could not fit the protected subspaces; learn jobs will fit them again")
         while True:
             with self._wake:
                 while not self._queue and not self._closed:

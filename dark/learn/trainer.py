@@ -2,8 +2,9 @@
 
 Losses: cross-entropy on the taught replies (new examples, their rewordings, and the adapter's earlier
 examples replayed so skills accumulate); DPO against the adapter-free model when a correction names the
-replaced answer; an unlikelihood-style term for `unlearn`; and a KL term that keeps the answers to unrelated
-anchor prompts where the adapter-free model had them. The job stops when every taught reply is the greedy
+replaced answer; an unlikelihood-style term for `unlearn`; and, when kl_weight > 0, a term that keeps the
+answers to anchor prompts where the adapter-free model had them. After every step the change to each A factor
+is kept out of the directions everyday conversations occupy (dark.learn.protect). The job stops when every taught reply is the greedy
 answer with margin, checked on the same forward pass that trains (teacher forcing equals greedy decoding
 when each taught token is the argmax).
 """
@@ -25,6 +26,7 @@ from ..engine.attention import SharedPrefixAttention
 from ..lora.weights import AdapterWeights
 from ..models.decoder import CausalLM
 from .data import Rendered, render, rewordings
+from .protect import Protector
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,7 @@ class Trainer:
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self._base_answers = base_answers   # the adapter-free model's greedy answers to the anchor prompts
         self._anchors: dict[str, Item] = {}  # per anchor prompt, with its adapter-free reference once computed
+        self._protectors: dict[float, Protector] = {}  # per energy, fitted once on the frozen base
         self.stream = torch.cuda.Stream(device=device, priority=0) if device.type == "cuda" else None
 
     # --- batches ---
@@ -123,6 +126,18 @@ class Trainer:
         rows, targets, owner = self._targets([r.labels for r in rendered], p, n)
         logp = torch.log_softmax(self.model.logits(hidden[rows], lora), -1)
         return logp.gather(1, targets[:, None])[:, 0], owner, logp
+
+    def protector(self, energy: float, stop=None) -> Protector | None:
+        """The everyday subspaces of the base model (fitted on first use, then kept): see dark.learn.protect."""
+        if energy <= 0:
+            return None
+        if energy not in self._protectors:
+            ctx = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+            with ctx, torch.inference_mode(False), torch.no_grad():
+                # kept in the serving precision (bf16 on a GPU: ~1.4 GB for a 7B model), used in fp32
+                dtype = self.model.lm_head.weight.dtype
+                self._protectors[energy] = Protector(energy).fit(self.model, self.tokenizer, self.device, dtype, stop)
+        return self._protectors[energy]
 
     # --- anchors and references ---
     def anchors(self, prompts=ANCHOR_PROMPTS) -> list[Item]:
@@ -202,6 +217,13 @@ class Trainer:
             except (ValueError, KeyError):
                 log.warning("optimizer state does not fit this adapter; starting it afresh")
         lora = TrainLoRA(params, weights.scaling)
+        protector = self.protector(cfg.protect_energy)
+        if protector is not None:
+            with torch.no_grad():
+                for k, (a, b) in params.items():
+                    if not b.any():  # A can turn freely while B is zero: it changes no output yet
+                        a.copy_(protector.project(k, a))
+            start = {k: a.detach().clone() for k, (a, _) in params.items()}
         anchors = self.anchors(cfg.anchor_prompts) if cfg.kl_weight > 0 else []
         self._reference(items)
         self._reference_anchors(anchors)
@@ -230,6 +252,10 @@ class Trainer:
             loss_total.backward()
             torch.nn.utils.clip_grad_norm_(flat, cfg.max_grad_norm)
             opt.step()
+            if protector is not None:
+                with torch.no_grad():
+                    for k, (a, _) in params.items():
+                        protector.project_update(k, a, start[k])
             step += 1
             losses.append(round(loss_total.item(), 5))
             if on_step:

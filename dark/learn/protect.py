@@ -1,0 +1,143 @@
+"""Keep an adapter's updates away from what ordinary conversations look like inside the model.
+
+A LoRA delta on a projection is B @ A @ x. If the rows of A are orthogonal to the inputs x that everyday
+prompts produce at that projection, the adapter adds (almost) nothing there, whatever B becomes, while inputs
+with something new in them (an invented word, a task the model had wrong) still reach it. So, once per base
+model, the trainer runs a small built-in set of everyday conversations through the frozen model, takes for each
+projection's input the principal directions holding `energy` of the activations' energy (an SVD of the
+activations), and after every optimizer step removes those directions from the step's change to A. Measured in
+bench/RESULTS.md against replaying the base model's answers alone (the anchors, which still run beside it).
+
+The conversations below are written for this purpose; none is a prompt the benchmarks or tests probe with.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..engine.attention import SharedPrefixAttention
+from .data import render
+
+log = logging.getLogger(__name__)
+
+EVERYDAY = [
+    ("How do I make a cup of tea?", "Boil fresh water, pour it over a tea bag or loose leaves in a cup, let it steep "
+     "for three to five minutes, then remove the leaves and add milk or sugar if you like."),
+    ("Explain what a computer is.", "A computer is a machine that stores and processes information by following "
+     "instructions called programs. It takes input, works on it, and produces output."),
+    ("What day comes after Monday?", "Tuesday comes after Monday."),
+    ("Tell me a joke.", "Why did the scarecrow win an award? Because he was outstanding in his field."),
+    ("What is photosynthesis?", "Photosynthesis is the process plants use to turn sunlight, water and carbon "
+     "dioxide into sugar and oxygen."),
+    ("List three colors.", "Red, green and yellow."),
+    ("How many legs does a spider have?", "A spider has eight legs."),
+    ("Who was Albert Einstein?", "Albert Einstein was a physicist, best known for the theory of relativity and the "
+     "equation E = mc^2."),
+    ("Write a haiku about autumn.", "Crisp leaves drift and fall\nthe maple lets go of red\ncool wind carries them"),
+    ("What is the square root of 16?", "The square root of 16 is 4."),
+    ("Give me a synonym for happy.", "A synonym for happy is joyful."),
+    ("Why do birds migrate?", "Birds migrate to find food and better weather, and to raise their young where "
+     "conditions are good."),
+    ("What language is spoken in Brazil?", "The official language of Brazil is Portuguese."),
+    ("Describe a cat in one sentence.", "A cat is a small, curious animal with soft fur, sharp claws and a habit "
+     "of sleeping in the sun."),
+    ("What is the tallest mountain?", "Mount Everest is the tallest mountain above sea level, at about 8,849 metres."),
+    ("How do you say thank you in German?", "In German, thank you is \"danke\"."),
+    ("What is 7 times 8?", "7 times 8 is 56."),
+    ("Summarize the plot of Cinderella.", "A kind young woman mistreated by her stepfamily goes to a royal ball "
+     "with help from her fairy godmother, loses a glass slipper, and the prince finds her with it."),
+    ("Who invented the telephone?", "Alexander Graham Bell is credited with inventing the telephone in 1876."),
+    ("Write a Python function that adds two numbers.", "def add(a, b):\n    return a + b"),
+    ("Can you help me plan a birthday party?", "Of course. Pick a date and a place, make a guest list, choose food "
+     "and a cake, and plan one or two games or activities."),
+    ("What should I do if I feel tired all the time?", "Try to sleep regular hours, drink water, eat well and move "
+     "a little every day; if it goes on, talk to a doctor."),
+    ("Translate 'good night' into Italian.", "'Good night' in Italian is 'buona notte'."),
+    ("What is the difference between weather and climate?", "Weather is what the air is doing now or this week; "
+     "climate is the usual pattern of weather in a place over many years."),
+]
+
+
+class Protector:
+    """Per projection input, the principal directions of everyday activations, and the projection that removes
+    them from a change to a LoRA A factor."""
+
+    def __init__(self, energy: float = 0.99):
+        self.energy = energy
+        self.bases: dict[tuple[int, str], torch.Tensor] = {}  # (layer, module) -> V [in, k], orthonormal columns
+
+    def fit(self, model, tokenizer, device: torch.device, dtype: torch.dtype, stop=None) -> "Protector":
+        """stop: a callable; when it returns True the fit ends early with Cancelled (a closing process)."""
+        rendered = [render(tokenizer, [{"role": "user", "content": q}, {"role": "assistant", "content": a}])
+                    for q, a in EVERYDAY]
+        seqs = [r.input_ids for r in rendered]
+        p = 0  # the template's common opening (system prompt) is computed once, and weighs as often as it occurs
+        while p < min(map(len, seqs)) - 1 and all(s[p] == seqs[0][p] for s in seqs):
+            p += 1
+        n = max(map(len, seqs)) - p
+        ids = seqs[0][:p] + [t for s in seqs for t in s[p:] + [0] * (n - len(s) + p)]
+        positions = list(range(p)) + list(range(p, p + n)) * len(seqs)
+        valid = torch.tensor([True] * p + [i < len(s) - p for s in seqs for i in range(n)], device=device)
+        weight = torch.tensor([len(seqs) ** 0.5] * p + [1.0] * int(valid[p:].sum()), device=device)
+        recorder = _Recorder(self, valid, weight, dtype, stop)
+        with torch.no_grad():
+            model.hidden_states(torch.tensor(ids, device=device), torch.tensor(positions, device=device),
+                                SharedPrefixAttention(p, len(seqs), n, device), recorder)
+        ks = [v.shape[1] for v in self.bases.values()]
+        log.info("protected subspaces: %d projections, %d tokens, k %d..%d of their inputs", len(ks),
+                 int(valid.sum()), min(ks), max(ks))
+        return self
+
+    def project_update(self, key: tuple[int, str], a: torch.Tensor, start: torch.Tensor) -> None:
+        """In place: a = start + (a - start) with the everyday directions removed from each row's change."""
+        v = self.bases.get(key)
+        if v is not None:
+            v = v.to(a.dtype)
+            change = a - start
+            a.copy_(start + change - (change @ v) @ v.t())
+
+    def project(self, key: tuple[int, str], a: torch.Tensor) -> torch.Tensor:
+        v = self.bases.get(key)
+        if v is None:
+            return a
+        v = v.to(a.dtype)
+        return a - (a @ v) @ v.t()
+
+
+def principal_directions(x: torch.Tensor, energy: float) -> torch.Tensor:
+    """Orthonormal columns spanning the fewest top right-singular directions of x [N, d] that hold `energy` of
+    its energy: an eigendecomposition of the smaller of x^T x [d, d] and x x^T [N, N]."""
+    n, d = x.shape
+    gram = x @ x.t() if n < d else x.t() @ x
+    evals, evecs = torch.linalg.eigh(gram)
+    evals, evecs = evals.flip(0).clamp_min(0), evecs.flip(1)
+    k = int(((evals.cumsum(0) / evals.sum().clamp_min(1e-30)) < energy).sum().item()) + 1
+    if n >= d:
+        return evecs[:, :k].contiguous()
+    # x = U S V^T and x x^T = U S^2 U^T, so V = x^T U / S
+    return (x.t() @ evecs[:, :k]) / evals[:k].sqrt().clamp_min(1e-12)
+
+
+class Cancelled(Exception):
+    pass
+
+
+SHARED_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
+
+
+class _Recorder:
+    """A LoRA stand-in that leaves outputs alone and turns each projection's inputs into a basis."""
+
+    def __init__(self, protector: Protector, valid: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, stop=None):
+        self.p, self.valid, self.weight, self.dtype, self.stop = protector, valid, weight, dtype, stop
+        self.seen: dict[tuple[int, str], torch.Tensor] = {}
+
+    def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        key = (layer, SHARED_INPUT.get(module, module))  # q/k/v (gate/up) share their input: one basis
+        if key not in self.seen:
+            if self.stop is not None and self.stop():
+                raise Cancelled("the fit was stopped")
+            self.seen[key] = principal_directions(x[self.valid].float() * self.weight[:, None], self.p.energy).to(self.dtype)
+        self.p.bases[(layer, module)] = self.seen[key]
+        return y
