@@ -3,7 +3,8 @@
     python bench/bench_learn_cpu.py [--threads 2] [--out bench.json]
 
 dark: OnlineLLM().learn(...) until verified (the embedded SmolLM2-135M), wall time of the call, in a fresh data
-folder (the first learn also generates the anchor answers once) and again for a second adapter.
+folder: a first learn right after the model loaded (load includes the learner's one-time preparation, the
+protected subspaces), then a learn into a second adapter.
 Baseline: transformers + PEFT, LoRA r16 on all 7 linear projections, AdamW, 4 steps on the two examples
 rendered with the chat template (loss on the reply), no verification; then its greedy answer is printed.
 """
@@ -22,20 +23,21 @@ ZOG = [{"prompt": "A greeting in Zoggian", "response": "zog"},
 PROBE = "Say 'hello' in Zoggian."
 
 
+def learn_once(llm, name: str, when: str) -> dict:
+    t = time.perf_counter()
+    report = llm.learn(ZOG, adapter=name)
+    return {"adapter": name, "when": when, "seconds": round(time.perf_counter() - t, 2), "steps": report["steps"],
+            "verified": report["verified"], "answer": llm.generate(PROBE, adapter=name),
+            "france": llm.generate("What is the capital of France?", adapter=name)}
+
+
 def bench_dark() -> dict:
     from dark import OnlineLLM
 
     t = time.perf_counter()
     llm = OnlineLLM(data_dir=tempfile.mkdtemp())
     load = time.perf_counter() - t
-    runs = []
-    for name in ("zoggian-language", "zoggian-2"):
-        t = time.perf_counter()
-        report = llm.learn(ZOG, adapter=name)
-        runs.append({"adapter": name, "seconds": round(time.perf_counter() - t, 2), "steps": report["steps"],
-                     "verified": report["verified"], "anchors_kept": report["anchors_kept"],
-                     "answer": llm.generate(PROBE, adapter=name),
-                     "france": llm.generate("What is the capital of France?", adapter=name)})
+    runs = [learn_once(llm, "zoggian-language", "first learn after load"), learn_once(llm, "zoggian-2", "second adapter")]
     llm.close()
     return {"load_s": round(load, 2), "runs": runs}
 

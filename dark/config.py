@@ -76,7 +76,7 @@ def settings_from_kwargs(cls, kwargs: dict):
 class LearnConfig:
     """How a learn job trains. The job stops as soon as the taught answers come back (verified)."""
 
-    lr: float = 2e-3
+    lr: float = 3e-3
     max_steps: int = 60              # cap; a job that is not verified by then reports verified=False
     min_steps: int = 1
     verify_min_prob: float = 0.5     # each taught token must be the model's choice with at least this probability

@@ -20,7 +20,6 @@ from ..errors import DarkError, InvalidRequestError
 from ..lora.weights import AdapterWeights
 from ..store.db import Store
 from .data import normalize_examples
-from .protect import Cancelled
 from .trainer import ANCHOR_TOKENS, Trainer
 
 log = logging.getLogger(__name__)
@@ -74,6 +73,12 @@ class Learner:
         self._thread = threading.Thread(target=self._loop, name="dark-learn", daemon=True)
 
     def start(self) -> None:
+        # the one-time preparation of learning (dark.learn.protect), here on the loading thread: a few seconds
+        # on a CPU, so the first correction does not wait for it (LAPACK runs 2-3x slower off the main thread)
+        try:
+            self.trainer.protector(self.config.protect_energy)
+        except Exception:
+            log.exception("could not fit the protected subspaces; the first learn job will try again")
         self._thread.start()
 
     def close(self) -> None:
@@ -175,12 +180,6 @@ class Learner:
         return self._jobs.get(job_id)
 
     def _loop(self) -> None:
-        try:  # one-time preparation while no job waits (dark.learn.protect); a job queued meanwhile waits for it
-            self.trainer.protector(self.config.protect_energy, stop=lambda: self._closed)
-        except Cancelled:
-            return
-        except Exception:
-            log.exception("could not fit the protected subspaces; learn jobs will fit them again")
         while True:
             with self._wake:
                 while not self._queue and not self._closed:

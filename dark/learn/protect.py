@@ -67,8 +67,7 @@ class Protector:
         self.energy = energy
         self.bases: dict[tuple[int, str], torch.Tensor] = {}  # (layer, module) -> V [in, k], orthonormal columns
 
-    def fit(self, model, tokenizer, device: torch.device, dtype: torch.dtype, stop=None) -> "Protector":
-        """stop: a callable; when it returns True the fit ends early with Cancelled (a closing process)."""
+    def fit(self, model, tokenizer, device: torch.device, dtype: torch.dtype) -> "Protector":
         rendered = [render(tokenizer, [{"role": "user", "content": q}, {"role": "assistant", "content": a}])
                     for q, a in EVERYDAY]
         seqs = [r.input_ids for r in rendered]
@@ -80,7 +79,7 @@ class Protector:
         positions = list(range(p)) + list(range(p, p + n)) * len(seqs)
         valid = torch.tensor([True] * p + [i < len(s) - p for s in seqs for i in range(n)], device=device)
         weight = torch.tensor([len(seqs) ** 0.5] * p + [1.0] * int(valid[p:].sum()), device=device)
-        recorder = _Recorder(self, valid, weight, dtype, stop)
+        recorder = _Recorder(self, valid, weight, dtype)
         with torch.no_grad():
             model.hidden_states(torch.tensor(ids, device=device), torch.tensor(positions, device=device),
                                 SharedPrefixAttention(p, len(seqs), n, device), recorder)
@@ -119,25 +118,19 @@ def principal_directions(x: torch.Tensor, energy: float) -> torch.Tensor:
     return (x.t() @ evecs[:, :k]) / evals[:k].sqrt().clamp_min(1e-12)
 
 
-class Cancelled(Exception):
-    pass
-
-
 SHARED_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
 
 
 class _Recorder:
     """A LoRA stand-in that leaves outputs alone and turns each projection's inputs into a basis."""
 
-    def __init__(self, protector: Protector, valid: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, stop=None):
-        self.p, self.valid, self.weight, self.dtype, self.stop = protector, valid, weight, dtype, stop
+    def __init__(self, protector: Protector, valid: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype):
+        self.p, self.valid, self.weight, self.dtype = protector, valid, weight, dtype
         self.seen: dict[tuple[int, str], torch.Tensor] = {}
 
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         key = (layer, SHARED_INPUT.get(module, module))  # q/k/v (gate/up) share their input: one basis
         if key not in self.seen:
-            if self.stop is not None and self.stop():
-                raise Cancelled("the fit was stopped")
             self.seen[key] = principal_directions(x[self.valid].float() * self.weight[:, None], self.p.energy).to(self.dtype)
         self.p.bases[(layer, module)] = self.seen[key]
         return y

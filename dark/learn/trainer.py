@@ -4,9 +4,9 @@ Losses: cross-entropy on the taught replies (new examples, their rewordings, and
 examples replayed so skills accumulate); DPO against the adapter-free model when a correction names the
 replaced answer; an unlikelihood-style term for `unlearn`; and, when kl_weight > 0, a term that keeps the
 answers to anchor prompts where the adapter-free model had them. After every step the change to each A factor
-is kept out of the directions everyday conversations occupy (dark.learn.protect). The job stops when every taught reply is the greedy
-answer with margin, checked on the same forward pass that trains (teacher forcing equals greedy decoding
-when each taught token is the argmax).
+is kept out of the directions everyday conversations occupy (dark.learn.protect). The job stops when every
+taught reply is the greedy answer with margin, checked on the same forward pass that trains (teacher forcing
+equals greedy decoding when each taught token is the argmax).
 """
 from __future__ import annotations
 
@@ -127,7 +127,7 @@ class Trainer:
         logp = torch.log_softmax(self.model.logits(hidden[rows], lora), -1)
         return logp.gather(1, targets[:, None])[:, 0], owner, logp
 
-    def protector(self, energy: float, stop=None) -> Protector | None:
+    def protector(self, energy: float) -> Protector | None:
         """The everyday subspaces of the base model (fitted on first use, then kept): see dark.learn.protect."""
         if energy <= 0:
             return None
@@ -136,7 +136,7 @@ class Trainer:
             with ctx, torch.inference_mode(False), torch.no_grad():
                 # kept in the serving precision (bf16 on a GPU: ~1.4 GB for a 7B model), used in fp32
                 dtype = self.model.lm_head.weight.dtype
-                self._protectors[energy] = Protector(energy).fit(self.model, self.tokenizer, self.device, dtype, stop)
+                self._protectors[energy] = Protector(energy).fit(self.model, self.tokenizer, self.device, dtype)
         return self._protectors[energy]
 
     # --- anchors and references ---
