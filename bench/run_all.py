@@ -335,25 +335,13 @@ def main() -> None:
     ap.add_argument("--results", type=Path, help="RESULTS.md to append to (default bench/RESULTS.md; --tiny: none)")
     ap.add_argument("--copy-to", type=Path, help="also copy latest.json, the details and RESULTS.md here")
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--bs1-tokens", type=int, default=128)
-    ap.add_argument("--adapters", type=int, default=32)
-    ap.add_argument("--multi-batch", type=int, default=64)
-    ap.add_argument("--multi-tokens", type=int, default=64)
-    ap.add_argument("--offline-requests", type=int, default=256)
+    sizes = {"repeats": 2, "prompt_len": 128, "bs1_tokens": 128, "adapters": 32, "multi_batch": 64, "multi_tokens": 64,
+             "offline_requests": 256, "hf_offline_batch": 32, "hf_offline_prompt": 512, "hf_offline_new": 128,
+             "train_batch": 2, "seq_len": 2048, "label_tokens": 1024, "warmup": 1, "steps": 4, "streams": 8,
+             "stream_tokens": 192, "example_tokens": 512}
+    for name, default in sizes.items():
+        ap.add_argument("--" + name.replace("_", "-"), type=int, default=default)
     ap.add_argument("--offline-range", type=int, nargs=2, default=[100, 1024])
-    ap.add_argument("--hf-offline-batch", type=int, default=32)
-    ap.add_argument("--hf-offline-prompt", type=int, default=512)
-    ap.add_argument("--hf-offline-new", type=int, default=128)
-    ap.add_argument("--train-batch", type=int, default=2)
-    ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--label-tokens", type=int, default=1024)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--streams", type=int, default=8)
-    ap.add_argument("--stream-tokens", type=int, default=192)
-    ap.add_argument("--example-tokens", type=int, default=512)
     args = ap.parse_args()
     shape = QWEN25_7B
     if args.tiny:
