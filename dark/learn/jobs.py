@@ -9,6 +9,7 @@ import os
 import re
 import threading
 import time
+import zlib
 from collections import deque
 from pathlib import Path
 from typing import Callable
@@ -105,9 +106,10 @@ class Learner:
         return self.dir / name / f"v{version}"
 
     def create_adapter(self, name: str, lora: LoraConfig) -> None:
-        """Version 0 of a new adapter: B = 0, so it answers exactly like the base model until it learns."""
+        """Version 0 of a new adapter: B = 0, so it answers exactly like the base model until it learns. A's random
+        start is seeded by the name (a stable hash: the same name learns the same way in every process)."""
         mc = self.llm.model.config
-        weights = AdapterWeights.init(lora, mc.projection_shapes(), mc.num_layers, seed=hash(name) & 0xFFFF)
+        weights = AdapterWeights.init(lora, mc.projection_shapes(), mc.num_layers, seed=zlib.crc32(name.encode()))
         self.store.create_adapter(name, {"r": lora.r, "alpha": lora.alpha, "target_modules": list(lora.target_modules)})
         self.publish(name, 0, weights, None, None)
 
