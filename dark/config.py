@@ -82,7 +82,7 @@ class LearnConfig:
     verify_min_prob: float = 0.5     # each taught token must be the model's choice with at least this probability
     batch_size: int = 16             # examples per step (new ones first, then replayed ones)
     replay: int = 24                 # earlier examples of the same adapter replayed in each job, so skills accumulate
-    kl_weight: float = 0.0           # keep answers to unrelated anchor prompts where the adapter-free model had them
+    kl_weight: float = 1.0           # keep answers to unrelated anchor prompts where the adapter-free model had them
     anchor_loss: str = "replay"      # "replay": train on the base model's own answers; "kl": KL to its distributions
     anchor_prompts: tuple[str, ...] = ()  # prompts whose adapter-free answers must not change; empty: a built-in set
     protect_energy: float = 0.99     # keep A's updates out of the directions holding this share of everyday

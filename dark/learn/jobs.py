@@ -74,12 +74,15 @@ class Learner:
         self._thread = threading.Thread(target=self._loop, name="dark-learn", daemon=True)
 
     def start(self) -> None:
-        # the one-time preparation of learning (dark.learn.protect), here on the loading thread: a few seconds
-        # on a CPU, so the first correction does not wait for it (LAPACK runs 2-3x slower off the main thread)
+        # the one-time preparation of learning, here on the loading thread so the first correction does not wait
+        # for it: the protected subspaces (dark.learn.protect; LAPACK runs 2-3x slower off the main thread on a
+        # CPU) and the base model's answers to the anchor prompts (generated once per data folder)
         try:
             self.trainer.protector(self.config.protect_energy)
+            if self.config.kl_weight > 0:
+                self.trainer.anchors(self.config.anchor_prompts)
         except Exception:
-            log.exception("could not fit the protected subspaces; the first learn job will try again")
+            log.exception("could not prepare learning; the first learn job will try again")
         self._thread.start()
 
     def close(self) -> None:
