@@ -155,3 +155,17 @@ def test_mixed_adapters_match_peft_on_cuda(tiny_models, tmp_path):
             out = results[(adapter, prompt)]
             assert out.output_ids == tokens, f"adapter {adapter}: tokens differ from PEFT for {prompt!r}"
             torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(logprobs), atol=1e-3, rtol=1e-3)
+
+
+def test_graphs_captured_again_after_all_were_dropped(tiny_models):
+    """Dropping every captured decode graph (new buffers, set_fast) and capturing again works and gives the same
+    tokens: the runner takes a fresh memory pool (capturing into the released pool of the dropped graphs fails)."""
+    with OnlineLLM(str(tiny_models["qwen2"]), device=CUDA, dtype="float32", block_size=8, max_num_seqs=4) as llm:
+        runner = llm.engine.runner
+        assert runner.use_graphs
+        first = llm.generate(PROMPTS[:2], max_tokens=12)
+        assert runner._graphs
+        runner.set_fast(True)  # drops every graph and its pool
+        assert not runner._graphs
+        assert llm.generate(PROMPTS[:2], max_tokens=12) == first
+        assert runner._graphs
