@@ -166,17 +166,20 @@ def random_adapter(llm, rank: int, seed: int = 0):
 def graph_replay_ms(runner, reps: int = 50) -> dict:
     """GPU time of one decode step alone: replays of each captured graph, timed with events, back to back
     (what a step would cost with no host work at all). Replays rewrite the last step's cache slots."""
-    out = {}
-    for key, (graph, _) in list(runner._graphs.items()):
+    return {"b%d%s" % (key[0], "_lora" if key[1] else ""): replay_ms(graph, reps)
+            for key, (graph, _) in list(runner._graphs.items())}
+
+
+def replay_ms(graph, reps: int) -> float:
+    """Milliseconds per replay of a captured graph: one replay to warm up, then `reps` back to back, CUDA events."""
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
         graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        out["b%d%s" % (key[0], "_lora" if key[1] else "")] = round(start.elapsed_time(end) / reps, 3)
-    return out
+    end.record()
+    end.synchronize()
+    return round(start.elapsed_time(end) / reps, 3)
 
 
 def lora_micro(device, layers: int = 28, rank: int = 16, reps: int = 20) -> dict:
@@ -200,14 +203,7 @@ def lora_micro(device, layers: int = 28, rank: int = 16, reps: int = 20) -> dict
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             fn()
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        return round(start.elapsed_time(end) / reps, 3)
+        return replay_ms(graph, reps)
 
     out = {"nodes": 2 * len(mats)}
     for chunk, bk, bn in [(512, 128, 256), (512, 512, 256), (1024, 256, 512)]:

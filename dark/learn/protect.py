@@ -17,6 +17,7 @@ import logging
 import torch
 
 from ..engine.attention import SharedPrefixAttention
+from ..lora.slots import GROUPS, MEMBERS
 from .data import render
 
 log = logging.getLogger(__name__)
@@ -90,11 +91,7 @@ class Protector:
 
     def project_update(self, key: tuple[int, str], a: torch.Tensor, start: torch.Tensor) -> None:
         """In place: a = start + (a - start) with the everyday directions removed from each row's change."""
-        v = self.bases.get(key)
-        if v is not None:
-            v = v.to(a.dtype)
-            change = a - start
-            a.copy_(start + change - (change @ v) @ v.t())
+        a.copy_(start + self.project(key, a - start))
 
     def project(self, key: tuple[int, str], a: torch.Tensor) -> torch.Tensor:
         v = self.bases.get(key)
@@ -118,9 +115,6 @@ def principal_directions(x: torch.Tensor, energy: float) -> torch.Tensor:
     return (x.t() @ evecs[:, :k]) / evals[:k].sqrt().clamp_min(1e-12)
 
 
-SHARED_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
-
-
 class _Recorder:
     """A LoRA stand-in that leaves outputs alone and turns each projection's inputs into a basis."""
 
@@ -129,7 +123,8 @@ class _Recorder:
         self.seen: dict[tuple[int, str], torch.Tensor] = {}
 
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        key = (layer, SHARED_INPUT.get(module, module))  # q/k/v (gate/up) share their input: one basis
+        # the members of a fused group (q/k/v, gate/up) share their input: one basis, under the first member
+        key = (layer, MEMBERS[GROUPS[module]][0] if module in GROUPS else module)
         if key not in self.seen:
             self.seen[key] = principal_directions(x[self.valid].float() * self.weight[:, None], self.p.energy).to(self.dtype)
         self.p.bases[(layer, module)] = self.seen[key]
