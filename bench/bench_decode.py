@@ -75,13 +75,43 @@ class StepClock:
     def __init__(self, runner):
         self.runner, self.real_run = runner, runner.run
         self.steps: list[tuple[float, float, int]] = []
+        self.seqs: list[int] = []  # sequences in each step, beside self.steps
         runner.run = self.run
 
     def run(self, batch):
         t = time.perf_counter()
         out = self.real_run(batch)  # ends in a host sync (sampled tokens to a list)
         self.steps.append((t, time.perf_counter(), sum(n for _, n in batch)))
+        self.seqs.append(len(batch))
         return out
+
+    def clear(self) -> None:
+        self.steps.clear()
+        self.seqs.clear()
+
+    def summary(self) -> dict:
+        """Where a run's wall time went: steps that only decode (by batch size) and steps with prefill chunks."""
+        import statistics as st
+
+        if not self.steps:
+            return {}
+        dur = [(e - s, n, q) for (s, e, n), q in zip(self.steps, self.seqs)]
+        decode = [(d, q) for d, n, q in dur if n == q]
+        mixed = [(d, n, q) for d, n, q in dur if n != q]
+        by_batch = {}
+        for lo, hi in ((1, 8), (9, 32), (33, 64), (65, 128), (129, 192), (193, 256), (257, 10**9)):
+            ds = [d for d, q in decode if lo <= q <= hi]
+            if ds:
+                by_batch[f"{lo}-{hi}"] = {"steps": len(ds), "median_ms": round(1000 * st.median(ds), 2),
+                                          "seconds": round(sum(ds), 2)}
+        return {"steps": len(dur), "wall_s": round(self.steps[-1][1] - self.steps[0][0], 2),
+                "in_steps_s": round(sum(d for d, _, _ in dur), 2),
+                "decode_steps": len(decode), "decode_s": round(sum(d for d, _ in decode), 2),
+                "decode_tokens": sum(q for _, q in decode),
+                "prefill_steps": len(mixed), "prefill_s": round(sum(d for d, _, _ in mixed), 2),
+                "prefill_step_tokens": sum(n for _, n, _ in mixed),
+                "prefill_median_ms": round(1000 * st.median(d for d, _, _ in mixed), 2) if mixed else None,
+                "decode_by_batch": by_batch}
 
     def decode_steps(self) -> list[tuple[float, float, int]]:
         return self.steps[1:]  # the first step of a measured run holds the prefill
@@ -144,7 +174,7 @@ def bench_ours(llm, clock: StepClock, batch, prompt_len, new_tokens, adapter=Non
     runs = []
     for r in range(repeats):
         t_one = run_ours(llm, prompts_ids(batch, prompt_len, seed + 1 + 10 * r), 1, adapter)
-        clock.steps.clear()
+        clock.clear()
         t_full = run_ours(llm, prompts_ids(batch, prompt_len, seed + 2 + 10 * r), new_tokens, adapter)
         runs.append(figures(batch, new_tokens, t_full, t_one, clock.decode_steps()))
     return median_of(runs)
@@ -261,7 +291,7 @@ def profile_ours(llm, clock: StepClock, prompt_len, steps, device, batch=1) -> d
     wall time per step: a step whose kernels take far less than its wall time is bound by the host."""
     run_ours(llm, prompts_ids(batch, prompt_len, 7), 4)
     _, _, k1 = _profiled(llm, prompts_ids(batch, prompt_len, 8), 1, device)
-    clock.steps.clear()
+    clock.clear()
     prof, events, kn = _profiled(llm, prompts_ids(batch, prompt_len, 9), steps + 1, device)
     dec = clock.decode_steps()
     gpu_ms = (sum(e.device_time_total for e in kn) - sum(e.device_time_total for e in k1)) / 1000 / steps

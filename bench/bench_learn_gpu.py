@@ -287,7 +287,7 @@ def bench_dark_decode(llm, clock, args, device, report, save, solo_rate) -> None
         return [b[1] - a[1] for a, b in zip(s, s[1:])]
 
     def one_run(seed):
-        clock.steps.clear()
+        clock.clear()
         gcp.take()
         t0 = time.perf_counter()
         run_ours(llm, prompts_ids(args.streams, args.prompt_len, seed), args.new_tokens)
@@ -402,7 +402,8 @@ def bench_learn_latency(llm, args, report, save) -> None:
                    "to_running_s": round(first_run, 3) if first_run is not None else None, "step_events_s": steps_at,
                    "to_done_s": round(t_end, 3) if ok else None, "version": rep.get("version"),
                    "steps": rep.get("steps"), "verified": rep.get("verified"),
-                   "job_seconds": rep.get("seconds"), "train_seconds": rep.get("train_seconds")}
+                   "job_seconds": rep.get("seconds"), "train_seconds": rep.get("train_seconds"),
+                   "timings": rep.get("timings")}
             report["learn"].append(fig)
             print(json.dumps(fig), flush=True)
             save()

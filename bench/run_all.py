@@ -51,7 +51,7 @@ sys.path.insert(0, str(HERE))
 from bench_decode import (QWEN25_7B, TINY, StepClock, bench_hf, bench_ours, graph_replay_ms,  # noqa: E402
                           hf_generate, prompts_ids, random_adapter, sync)
 from bench_learn_gpu import (PeftRunner, bench_dark_decode, bench_dark_train, bench_learn_latency,  # noqa: E402
-                             build_model, mem, reset_peak, train_batch)
+                             build_model, dark_items, mem, reset_peak, train_batch, train_dark)
 
 TARGETS = {  # key: (target, "min" = at least / "max" = at most, the anchor)
     "decode_bs1_tok_s": (260, "min"), "decode_bs1_adapter_ratio": (0.95, "min"), "multi_adapter_ratio": (0.90, "min"),
@@ -218,7 +218,7 @@ def dark_parts(run: Run, llm) -> None:
         run_requests(llm, [(p, 4, None) for p, _, _ in plain])
         times = {}
         for label, reqs in (("none", plain), ("mixed", mixed), ("none_again", plain), ("mixed_again", mixed)):
-            clock.steps.clear()
+            clock.clear()
             run_requests(llm, reqs)
             times[label] = round(decode_step_ms(clock, a.multi_batch), 3)
         base = statistics.fmean([times["none"], times["none_again"]])
@@ -233,10 +233,12 @@ def dark_parts(run: Run, llm) -> None:
         reqs = [(prompts_ids(1, rng.randint(lo, hi), 1000 + i)[0], rng.randint(lo, hi), None) for i in range(a.offline_requests)]
         # warm-up: the batch shrinks through every graph bucket once
         run_requests(llm, [(prompts_ids(1, 32, 5000 + i)[0], 1 + i // 8, None) for i in range(a.offline_requests)])
+        clock.clear()
         secs, produced = run_requests(llm, reqs)
         run.fig("offline_tok_s", round(produced / secs, 1))
         run.report["details"]["offline"] = {"requests": len(reqs), "output_tokens": produced,
-                                            "prompt_tokens": sum(len(p) for p, _, _ in reqs), "seconds": round(secs, 2)}
+                                            "prompt_tokens": sum(len(p) for p, _, _ in reqs), "seconds": round(secs, 2),
+                                            "steps": clock.summary()}
     run.part("offline", offline)
 
     train_args = SimpleNamespace(train_batch=a.train_batch, seq_len=a.seq_len, label_tokens=a.label_tokens,
@@ -250,11 +252,52 @@ def dark_parts(run: Run, llm) -> None:
     if "rate" in solo:
         run.fig("train_tok_s", solo["rate"])
 
+    def train_profile():
+        # where a training step's GPU time goes: 2 steps under torch.profiler, kernels grouped by name
+        from torch.profiler import ProfilerActivity, profile
+
+        from dark.config import LearnConfig
+
+        items, cfg = dark_items(train_args), LearnConfig(max_steps=2, min_steps=2, kl_weight=0.0).validate()
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        sync(dev)
+        t = time.perf_counter()
+        with profile(activities=acts) as prof:
+            train_dark(llm, items, cfg, None)
+            sync(dev)
+        wall = time.perf_counter() - t
+        kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and "CUDA" in str(getattr(e, "device_type", ""))]
+        total = sum(e.device_time_total for e in kernels) / 1000
+        top = sorted(kernels, key=lambda e: -e.device_time_total)[:25]
+        run.report["details"]["train_profile"] = {
+            "steps": 2, "wall_ms": round(1000 * wall, 1), "gpu_kernel_ms": round(total, 1),
+            "launches": sum(e.count for e in kernels),
+            "top": [{"name": e.key[:90], "count": e.count, "ms": round(e.device_time_total / 1000, 2)} for e in top]}
+        print(json.dumps(run.report["details"]["train_profile"])[:3000], flush=True)
+    if a.profile_train:
+        run.part("train_profile", train_profile)
+
     def during():
-        bench_dark_decode(llm, clock, train_args, dev, sub, run.save, solo.get("rate"))
-        d = sub["decode"][-1]
-        run.fig("decode_p99_ratio_during_training", round(d["while_training"]["p99_ms"] / d["solo"]["p99_ms"], 3))
-        run.fig("train_ratio_during_decode", d["train_ratio"])
+        # the headline figures come from the first setting of --train-sms (the engine's default first); the others
+        # are in the details, one row per setting: SMs the trainer may use (a green context), 0 = all of them
+        from dark.learn.jobs import training_stream
+
+        learner, by_sms = llm.learner, {}
+        for n in a.train_sms:
+            if dev.type == "cuda":
+                learner._green, learner.trainer.stream = training_stream(dev, n)
+            bench_dark_decode(llm, clock, train_args, dev, sub, run.save, solo.get("rate"))
+            d = sub["decode"][-1]
+            by_sms[n] = {"p99_ratio": round(d["while_training"]["p99_ms"] / d["solo"]["p99_ms"], 3),
+                         "p50_ratio": round(d["while_training"]["p50_ms"] / d["solo"]["p50_ms"], 3),
+                         "train_ratio": d["train_ratio"], "green_context": learner._green is not None}
+            print(json.dumps({"train_sms": n, **by_sms[n]}), flush=True)
+            run.report["details"]["during_training_by_sms"] = by_sms
+            if n == a.train_sms[0]:
+                run.fig("decode_p99_ratio_during_training", by_sms[n]["p99_ratio"])
+                run.fig("train_ratio_during_decode", by_sms[n]["train_ratio"])
+        if dev.type == "cuda":
+            learner._green, learner.trainer.stream = training_stream(dev, llm.engine.config.train_sms)
     run.part("decode_during_training", during)
 
     def correction():
@@ -335,6 +378,7 @@ def main() -> None:
     ap.add_argument("--results", type=Path, help="RESULTS.md to append to (default bench/RESULTS.md; --tiny: none)")
     ap.add_argument("--copy-to", type=Path, help="also copy latest.json, the details and RESULTS.md here")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--profile-train", action="store_true", help="also profile 2 training steps (kernels by GPU time)")
     sizes = {"repeats": 2, "prompt_len": 128, "bs1_tokens": 128, "adapters": 32, "multi_batch": 64, "multi_tokens": 64,
              "offline_requests": 256, "hf_offline_batch": 32, "hf_offline_prompt": 512, "hf_offline_new": 128,
              "train_batch": 2, "seq_len": 2048, "label_tokens": 1024, "warmup": 1, "steps": 4, "streams": 8,
@@ -342,6 +386,9 @@ def main() -> None:
     for name, default in sizes.items():
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=default)
     ap.add_argument("--offline-range", type=int, nargs=2, default=[100, 1024])
+    ap.add_argument("--train-sms", type=int, nargs="+", default=[0],
+                    help="decode during training once per value: SMs the trainer may use (0 = all); the first is "
+                         "the headline")
     args = ap.parse_args()
     shape = QWEN25_7B
     if args.tiny:

@@ -28,6 +28,23 @@ log = logging.getLogger(__name__)
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
+def training_stream(device: torch.device, sms: int):
+    """(green context, stream) whose kernels run on `sms` of the device's SMs only, so serving keeps the others to
+    itself: a decode step's ~350 small kernels then never wait behind a training GEMM's thread blocks.
+    Falls back to (None, a low-priority stream on every SM) where green contexts are missing."""
+    total = torch.cuda.get_device_properties(device).multi_processor_count
+    if 0 < sms < total:
+        try:
+            from torch.cuda.green_contexts import GreenContext
+
+            ctx = GreenContext.create(num_sms=sms, device_id=device.index or 0)
+            log.info("learn jobs run on %d of the %d SMs (CUDA green context)", sms, total)
+            return ctx, ctx.Stream()
+        except Exception as e:  # an older driver or torch build
+            log.warning("train_sms=%d: no CUDA green context (%s); training shares every SM with serving", sms, e)
+    return None, torch.cuda.Stream(device=device, priority=0)
+
+
 class LearnJob:
     """A handle on an accepted job: its events so far, and wait() for the report."""
 
@@ -66,6 +83,9 @@ class Learner:
         self.config = learn_config
         engine = llm.engine
         self.trainer = Trainer(llm.model, llm.tokenizer, engine.device, self._base_answers)
+        self._green = None  # the CUDA green context training runs in, when engine.config.train_sms asks for one
+        if engine.device.type == "cuda" and engine.config.train_sms:
+            self._green, self.trainer.stream = training_stream(engine.device, engine.config.train_sms)
         self._queue: deque[tuple[LearnJob, dict]] = deque()
         self._jobs: dict[str, LearnJob] = {}
         self._optimizer: dict[str, dict] = {}  # per adapter, also on disk so corrections accumulate across restarts
@@ -116,12 +136,18 @@ class Learner:
         self.store.create_adapter(name, {"r": lora.r, "alpha": lora.alpha, "target_modules": list(lora.target_modules)})
         self.publish(name, 0, weights, None, None)
 
-    def publish(self, name: str, version: int, weights: AdapterWeights, parent: int | None, report: dict | None) -> None:
-        """Make `weights` version `version` of adapter `name`: saved, recorded, then served to new requests."""
+    def publish(self, name: str, version: int, weights: AdapterWeights, parent: int | None, report: dict | None,
+                marks: dict | None = None) -> None:
+        """Make `weights` version `version` of adapter `name`: saved, recorded, then served to new requests.
+        marks (a job's timings): gets the clock times at which the version was saved and published."""
         path = self.version_dir(name, version)
         weights.save(path, base_model=self.llm.model_name)   # on disk before anyone can ask for it
         self.store.add_adapter_version(name, version, str(path), parent_version=parent, report=report)
+        if marks is not None:
+            marks["saved"] = time.perf_counter()
         self.llm.engine.adapters.publish(name, version, weights)
+        if marks is not None:
+            marks["published"] = time.perf_counter()
 
     # --- jobs ---
     def submit(self, examples, adapter: str, kind: str = "sft", source: str = "api", message_id: str | None = None,
@@ -207,20 +233,32 @@ class Learner:
             items = self.trainer.build_items([e["payload"] for e in mine], earlier[-cfg.replay:] if cfg.replay else [], kind, cfg)
             mgr = self.llm.engine.adapters
             parent = mgr.current(name)
-            result = self.trainer.train(mgr.weights(name, parent), self._load_optimizer(name), items, cfg,
-                                        lambda step, loss: job._emit(state="running", step=step, loss=loss,
-                                                                     total_steps=cfg.max_steps))
+            marks = {"prepared": time.perf_counter()}  # clock times of the job's phases
+            steps_at = []
+
+            def on_step(step, loss):
+                steps_at.append(round(time.perf_counter() - started, 3))
+                job._emit(state="running", step=step, loss=loss, total_steps=cfg.max_steps)
+
+            result = self.trainer.train(mgr.weights(name, parent), self._load_optimizer(name), items, cfg, on_step)
+            marks["trained"] = time.perf_counter()
             version = max(v["version"] for v in self.store.list_versions(name)) + 1
             report = {"adapter": name, "version": version, "parent_version": parent, "steps": result.steps,
                       "losses": result.losses, "verified": result.verified, "anchors_kept": result.anchors_kept,
                       "seconds": round(time.perf_counter() - started, 3),
                       "train_seconds": round(result.seconds, 3),
                       "examples": len(mine)}
-            self.publish(name, version, result.weights, parent, report)
-            self._save_optimizer(name, result.optimizer_state)
+            self.publish(name, version, result.weights, parent, report, marks)
+            # the moments stay in memory for this adapter's next job (same thread), and go to disk after the
+            # version is out: a crash in between costs a fresh optimizer state, never a version
+            self._optimizer[name] = result.optimizer_state
+            # seconds from the job's start: items built, training done (first step after "prepared" + steps_at[0]),
+            # version saved, version served
+            report["timings"] = {k: round(v - started, 3) for k, v in marks.items()} | {"steps_at": steps_at}
             self.store.update_job(job.id, state="done", report=report)
             job.report = report
             job._emit(state="done", version=version, verified=result.verified, report=report)
+            self._save_optimizer(name, result.optimizer_state)
         except Exception as e:
             log.exception("learn job %s failed", job.id)
             job.error = f"{type(e).__name__}: {e}"
