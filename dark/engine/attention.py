@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 
 class KVCache:
@@ -112,8 +113,10 @@ class SharedPrefixAttention:
 
     def __init__(self, prefix: int, batch: int, length: int, device):
         self.prefix, self.batch, self.length = prefix, batch, length
-        i = torch.arange(length, device=device)
-        self.mask = torch.cat([torch.ones(length, prefix, dtype=torch.bool, device=device), i[None, :] <= i[:, None]], 1)
+        # every prefix key, then causal over the own tokens: causal aligned to the bottom-right corner of the
+        # [length, prefix + length] scores, which the fused (flash / memory-efficient) kernels take without a mask
+        # tensor; right padding sits after every real token, so causality already hides it from them
+        self.bias = causal_lower_right(length, prefix + length) if prefix else None
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         p, b, n = self.prefix, self.batch, self.length
@@ -124,5 +127,8 @@ class SharedPrefixAttention:
         qs, ks, vs = (t[p:].view(b, n, t.shape[1], dim).transpose(1, 2) for t in (q, k, v))
         keys = torch.cat([pre[1].expand(b, -1, -1, -1), ks], 2)
         values = torch.cat([pre[2].expand(b, -1, -1, -1), vs], 2)
-        out_s = F.scaled_dot_product_attention(qs, keys, values, attn_mask=self.mask, enable_gqa=gqa)
+        if self.bias is None:
+            out_s = F.scaled_dot_product_attention(qs, keys, values, is_causal=True, enable_gqa=gqa)
+        else:
+            out_s = F.scaled_dot_product_attention(qs, keys, values, attn_mask=self.bias, enable_gqa=gqa)
         return torch.cat([out_p[0].transpose(0, 1), out_s.transpose(1, 2).reshape(b * n, heads, dim)])
