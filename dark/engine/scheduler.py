@@ -25,7 +25,7 @@ class Scheduler:
         """Pick (sequence, number of tokens to compute) pairs for one step within the token budget."""
         budget, batch = self.max_tokens, []
         for seq in list(self.running):
-            if seq not in self.running:  # preempted below to make room for an earlier sequence
+            if seq.status is not Status.RUNNING:  # preempted below to make room for an earlier sequence
                 continue
             n = min(len(seq) - seq.num_computed, budget)
             if n <= 0:
@@ -35,7 +35,7 @@ class Scheduler:
                 self._preempt(victim)
                 if victim is seq:
                     break
-            if seq in self.running:
+            if seq.status is Status.RUNNING:
                 batch.append((seq, n))
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
