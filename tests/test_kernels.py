@@ -121,6 +121,85 @@ def test_grouped_lora_matches_reference(dtype, tol, tokens, fan_in, splits, rank
     assert (delta_out - delta_ref).norm() <= 2e-2 * delta_ref.norm() + 1e-6
 
 
+# step slot mixes for the segment (SGMV) kernels: -1 (no adapter) sorts first and is skipped; segments longer
+# than a block of 16 tokens span several programs; a batch of one takes the no-sort path
+SLOT_MIXES = {
+    "mixed": [2, -1, 0, 2, 3, 0, -1, 2, 1, 3, 2, -1],
+    "one_slot": [1] * 20,
+    "40_tokens_2_slots": [3, 0] * 6 + [0] * 15 + [3] * 13,  # segments of 21 and 19 tokens, interleaved
+    "unsorted": [3, 0, 2, 0, 3, 1, -1, 2, 0],
+    "single": [2],
+    "single_none": [-1],
+    "all_none": [-1, -1, -1],
+}
+LAYOUTS = {"plain": [96], "qkv": [64, 16, 16], "gate_up": [48, 48]}
+
+
+def _lora_case(token_slots, fan_in, splits, rank, max_rank, dtype, seed, slots_n=4):
+    """Random factors in the engine's layout (a group: stacked A rows, side-by-side B columns), x and y."""
+    g = torch.Generator().manual_seed(seed)
+    members = len(splits)
+    A = torch.zeros(slots_n, members * max_rank, fan_in)
+    B = torch.zeros(slots_n, max_rank, sum(splits))
+    for m in range(members):
+        A[:, m * max_rank:m * max_rank + rank] = torch.randn(slots_n, rank, fan_in, generator=g)
+    B[:, :rank] = torch.randn(slots_n, rank, sum(splits), generator=g) * 0.1
+    T = len(token_slots)
+    x = torch.randn(T, fan_in, generator=g)
+    y = torch.randn(T, sum(splits), generator=g)
+    return [t.to(DEV, dtype) for t in (A, B, x, y)]
+
+
+@pytest.mark.parametrize("rank,dtype,tol", [(8, torch.bfloat16, 1e-2), (16, torch.float32, 1e-5),
+                                            (16, torch.bfloat16, 1e-2), (8, torch.float32, 1e-5)])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("mix", list(SLOT_MIXES))
+def test_lora_segments_match_reference(mix, layout, rank, dtype, tol):
+    """The segment kernels against lora_reference on every slot mix, plain and grouped (q/k/v with outs 64/16/16,
+    gate/up), rank 8 and 16 in slots of rank 16; fan_in 600 takes two K-splits. Tokens without an adapter are left
+    exactly as they were."""
+    from dark.kernels.lora import lora_segments
+
+    splits = LAYOUTS[layout]
+    max_rank, fan_in = 16, 600
+    token_slots = torch.tensor(SLOT_MIXES[mix])
+    A, B, x, y = _lora_case(token_slots, fan_in, splits, rank, max_rank, dtype, seed=len(mix) * 31 + rank)
+    kw = dict(splits=splits, stride=max_rank) if len(splits) > 1 else {}
+    ref = lora_reference(x.cpu(), y.cpu(), A.cpu(), B.cpu(), token_slots, rank, **kw)
+    slots_dev = token_slots.to(DEV)
+    out = lora_apply(x, y.clone(), A, B, slots_dev, rank, **kw)
+    shared = lora_apply(x, y.clone(), A, B, slots_dev, rank, segments=lora_segments(slots_dev), **kw)
+    assert torch.equal(out, shared), "segments passed in must give what the call sorts itself"
+    out, y = out.cpu(), y.cpu()
+    for t, s in enumerate(token_slots.tolist()):
+        if s < 0:
+            assert torch.equal(out[t], y[t]), "a token without an adapter must be left alone"
+    delta_out, delta_ref = out.double() - y.double(), ref.double() - y.double()
+    assert (delta_out - delta_ref).norm() <= 2 * tol * delta_ref.norm() + 1e-6
+    if (token_slots >= 0).any():
+        assert delta_ref.norm() > 0.1 and rel_err(out, ref) < tol
+
+
+def test_lora_shrink_writes_each_token_row():
+    """The shrink's partial codes, summed over its K-splits, are each token's own code at the token's original
+    row, whatever the sorted order (members side by side, padded to 16 rows)."""
+    from dark.kernels.lora import lora_shrink
+
+    token_slots = torch.tensor([1, 3, -1, 1, 0, 3, 3, 1, 0])
+    splits, rank, max_rank = [64, 16, 16], 8, 8
+    A, B, x, y = _lora_case(token_slots, 1100, splits, rank, max_rank, torch.float32, seed=3)
+    h = lora_shrink(x, A, token_slots.to(DEV), rank, members=3, stride=max_rank).cpu()
+    assert h.shape == (9, 3, 3, 16)  # 1100 wide: three 512-wide K-splits
+    codes = h.sum(1)
+    for t, s in enumerate(token_slots.tolist()):
+        if s < 0:
+            continue
+        for m in range(3):
+            want = A[s, m * max_rank:m * max_rank + rank].cpu() @ x[t].cpu()
+            torch.testing.assert_close(codes[t, m, :rank], want, rtol=1e-5, atol=1e-4)
+            assert (codes[t, m, rank:] == 0).all()
+
+
 def test_slot_lora_kernel_path_matches_torch_path():
     """SlotLoRA's two paths (kernels, dense torch math) on the same slots and a mixed batch, per projection and
     per fused group (q/k/v, gate/up: one call on the concatenated output equals each member on its own, also

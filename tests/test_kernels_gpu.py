@@ -103,3 +103,150 @@ def test_norm_rope_qwen_shapes():
     ang = torch.cat([ang, ang], -1)
     cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
     assert rel_err(rotary(q, cos, sin), rotary_reference(q, cos, sin)) < 1e-2
+
+
+# the segment (SGMV) kernels at decode sizes: 64 sequences over 32 adapters (each twice, shuffled), 48 of them
+# padded to a 64-row graph bucket with -1, one adapter for all 64, 256 sequences over 8 adapters, a batch of one
+def _step_slots(mix: str, g) -> torch.Tensor:
+    if mix == "64_over_32":
+        slots = torch.arange(32, device="cuda").repeat(2)
+    elif mix == "48_over_32_padded_64":
+        slots = torch.cat([torch.arange(32, device="cuda"), torch.arange(16, device="cuda") * 2,
+                           torch.full((16,), -1, device="cuda")])
+    elif mix == "64_one_slot":
+        slots = torch.full((64,), 7, device="cuda")
+    elif mix == "256_over_8":
+        slots = torch.arange(8, device="cuda").repeat(32)
+    else:
+        assert mix == "single"
+        return torch.tensor([5], device="cuda")
+    return slots[torch.randperm(len(slots), device="cuda", generator=g)]
+
+
+QWEN_LAYOUTS = {  # (fan_in, member outs): the decoder's four LoRA calls per layer, and the LM head
+    "qkv": (3584, [3584, 512, 512]), "o": (3584, [3584]), "gate_up": (3584, [18944, 18944]),
+    "down": (18944, [3584]), "lm_head": (3584, [152064]),
+}
+
+
+def _qwen_case(layout, rank, max_rank, slots_n, tokens, dtype, g):
+    fan_in, outs = QWEN_LAYOUTS[layout]
+    members = len(outs)
+    A = torch.zeros(slots_n, members * max_rank, fan_in, device="cuda", dtype=dtype)
+    B = torch.zeros(slots_n, max_rank, sum(outs), device="cuda", dtype=dtype)
+    for m in range(members):
+        A[:, m * max_rank:m * max_rank + rank] = (torch.randn(slots_n, rank, fan_in, device="cuda", generator=g)
+                                                  * 0.02).to(dtype)
+    B[:, :rank] = (torch.randn(slots_n, rank, sum(outs), device="cuda", generator=g) * 0.02).to(dtype)
+    x = torch.randn(tokens, fan_in, device="cuda", generator=g).to(dtype)
+    y = torch.randn(tokens, sum(outs), device="cuda", generator=g).to(dtype)
+    kw = dict(splits=outs, stride=max_rank) if members > 1 else {}
+    return A, B, x, y, kw
+
+
+def _check_delta(out, ref, y, token_slots, tol):
+    none = token_slots < 0
+    assert torch.equal(out[none], y[none]), "a token without an adapter must be left alone"
+    delta, delta_ref = out.double() - y.double(), ref.double() - y.double()
+    assert (delta - delta_ref).norm() <= tol * delta_ref.norm() + 1e-3
+
+
+@pytest.mark.parametrize("mix", ["64_over_32", "48_over_32_padded_64", "64_one_slot", "256_over_8", "single"])
+@pytest.mark.parametrize("layout", ["qkv", "o", "gate_up", "down"])
+@pytest.mark.parametrize("rank", [16, 8])
+def test_lora_segments_qwen_shapes(mix, layout, rank):
+    from dark.kernels.lora import lora_apply, lora_reference, lora_segments
+
+    g = torch.Generator(device="cuda").manual_seed(len(mix) * 100 + len(layout) + rank)
+    token_slots = _step_slots(mix, g)
+    A, B, x, y, kw = _qwen_case(layout, rank, 64, 32, len(token_slots), torch.bfloat16, g)
+    segments = lora_segments(token_slots)  # once per forward, as SlotLoRA.with_kernels does
+    out = lora_apply(x, y.clone(), A, B, token_slots, rank, segments=segments, **kw)
+    ref = lora_reference(x, y, A, B, token_slots, rank, **kw)
+    _check_delta(out, ref, y, token_slots, BF16_TOL)
+
+
+@pytest.mark.parametrize("layout", ["qkv", "gate_up", "down"])
+def test_lora_segments_qwen_shapes_fp32(layout):
+    """fp32 factors: the "ieee" dots, to fp32 rounding."""
+    from dark.kernels.lora import lora_apply, lora_reference
+
+    g = torch.Generator(device="cuda").manual_seed(len(layout))
+    token_slots = _step_slots("64_over_32", g)
+    A, B, x, y, kw = _qwen_case(layout, 16, 16, 32, len(token_slots), torch.float32, g)
+    out = lora_apply(x, y.clone(), A, B, token_slots, 16, **kw)
+    ref = lora_reference(x, y, A, B, token_slots, 16, **kw)
+    assert rel_err(out - y, ref - y) < 1e-4
+
+
+def test_lora_lm_head_qwen_shape():
+    from dark.kernels.lora import lora_apply, lora_reference
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    token_slots = _step_slots("64_over_32", g)[:16]
+    A, B, x, y, kw = _qwen_case("lm_head", 16, 16, 32, 16, torch.bfloat16, g)
+    out = lora_apply(x, y.clone(), A, B, token_slots, 16, **kw)
+    _check_delta(out, lora_reference(x, y, A, B, token_slots, 16, **kw), y, token_slots, BF16_TOL)
+
+
+def test_lora_segments_in_a_cuda_graph():
+    """The sort and both kernels captured in one CUDA graph (as the decode step is): a new mix of slots copied
+    into the static slot tensor gives that mix's deltas on replay, with no host sync in the capture."""
+    from dark.kernels.lora import lora_apply, lora_reference, lora_segments
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    A, B, x, y, kw = _qwen_case("qkv", 16, 64, 32, 64, torch.bfloat16, g)
+    static = _step_slots("64_over_32", g)
+    out = y.clone()
+
+    def step():
+        out.copy_(y)
+        lora_apply(x, out, A, B, static, 16, segments=lora_segments(static), **kw)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for mix in ("48_over_32_padded_64", "64_one_slot", "64_over_32"):
+        static.copy_(_step_slots(mix, g))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_delta(out, lora_reference(x, y, A, B, static, 16, **kw), y, static, BF16_TOL)
+
+
+def test_slot_lora_kernels_qwen_step():
+    """SlotLoRA.with_kernels on 64 decode rows over 32 adapters of rank 16 on every projection, against the dense
+    torch path, per fused group."""
+    from types import SimpleNamespace
+
+    from dark.config import LoraConfig
+    from dark.lora.slots import AdapterSlots, SlotLoRA
+    from dark.lora.weights import AdapterWeights
+
+    shapes = {"q_proj": (3584, 3584), "k_proj": (3584, 512), "v_proj": (3584, 512), "o_proj": (3584, 3584),
+              "gate_proj": (3584, 18944), "up_proj": (3584, 18944), "down_proj": (18944, 3584)}
+    cfg = SimpleNamespace(projection_shapes=lambda: shapes)
+    slots = AdapterSlots(cfg, 32, 64, torch.device("cuda"), torch.bfloat16)
+    for s in range(32):
+        w = AdapterWeights.init(LoraConfig(r=16, alpha=32, target_modules=tuple(shapes)), shapes, 1, seed=s)
+        for a, b in w.tensors.values():
+            b.normal_(0, 0.02)
+        slots.load(s, w)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    token_slots = _step_slots("48_over_32_padded_64", g)
+    fast = SlotLoRA.with_kernels(slots, token_slots)
+    dense = SlotLoRA(slots, sorted({s for s in token_slots.tolist() if s >= 0}), token_slots)
+    for group, fan_in, outs in (("qkv", 3584, 4608), ("gate_up", 3584, 37888)):
+        x = torch.randn(64, fan_in, device="cuda", generator=g).to(torch.bfloat16)
+        y = torch.randn(64, outs, device="cuda", generator=g).to(torch.bfloat16)
+        ref = dense.apply_group(0, group, x, y.clone())
+        out = fast.apply_group(0, group, x, y.clone())
+        _check_delta(out, ref, y, token_slots, BF16_TOL)
+    x = torch.randn(64, 18944, device="cuda", generator=g).to(torch.bfloat16)
+    y = torch.randn(64, 3584, device="cuda", generator=g).to(torch.bfloat16)
+    _check_delta(fast.apply(0, "down_proj", x, y.clone()), dense.apply(0, "down_proj", x, y.clone()), y,
+                 token_slots, BF16_TOL)

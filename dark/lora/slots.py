@@ -6,9 +6,10 @@ projection is two matmuls, whatever the mix of adapters: x @ A[active] gives eac
 under every active adapter, a one-hot mask keeps the token's own, and that times the stacked B gives the
 delta. No Python loop over adapters, and tokens without an adapter cost nothing extra when none is active.
 
-On CUDA, batches of up to KERNEL_MAX_TOKENS tokens (decode) use the Triton shrink/expand kernels instead
-(dark.kernels.lora): each token reads only its own adapter's factors, two launches per projection, and the
-only per-step input is a device tensor of slots, which a CUDA graph can keep.
+On CUDA, batches of up to KERNEL_MAX_TOKENS tokens (decode, short prefills) use the Triton shrink/expand
+kernels instead (dark.kernels.lora): the step's slots are sorted once per forward, so tokens of one adapter form
+a segment and each segment reads its adapter's factors once (per 16 tokens), two launches per projection; the
+only per-step input is a device tensor of slots, which a CUDA graph can keep (the sort is captured with it).
 """
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from ..models.decoder import ModelConfig, kernel_module
 from .weights import AdapterWeights, Key
 
 
-KERNEL_MAX_TOKENS = 64  # past this (long prefills), the dense torch math reads each adapter once
+# past this (long prefills), the dense torch math: cuBLAS GEMMs over the active adapters; up to it the kernels,
+# which read each adapter once per 16 of its tokens (the decode graphs go up to 256 sequences)
+KERNEL_MAX_TOKENS = 256
 # projections that share their input and run as one GEMM in the decoder (CausalLM.fuse_projections)
 GROUPS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 MEMBERS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
@@ -103,7 +106,7 @@ class SlotLoRA:
         self.slots, self.active, self.token_slots = slots, active, token_slots
         self.r = max(slots.rank[s] for s in active)
         self.uniform = token_slots is None
-        self.kernel_slots = None
+        self.kernel_slots = self.kernel_segments = None
         if not self.uniform:
             ids = torch.tensor(active, device=token_slots.device)
             self.index = ids
@@ -111,10 +114,14 @@ class SlotLoRA:
 
     @classmethod
     def with_kernels(cls, slots: AdapterSlots, token_slots: torch.Tensor) -> "SlotLoRA":
-        """Kernel path: token_slots an int32 device tensor ([T], -1 = none); may be a CUDA graph's static input."""
+        """Kernel path: token_slots an integer device tensor ([T], -1 = none); may be a CUDA graph's static input.
+
+        The slots are sorted here, once for every projection of the forward (inside the graph when captured:
+        torch.sort needs no host sync and keeps the shape)."""
         lora = cls.__new__(cls)
         lora.slots, lora.active, lora.token_slots, lora.uniform = slots, None, None, False
         lora.kernel_slots, lora.r = token_slots, slots.kernel_rank()
+        lora.kernel_segments = kernel_module("lora").lora_segments(token_slots)
         return lora
 
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -131,7 +138,7 @@ class SlotLoRA:
         A, B, outs = entry
         if self.kernel_slots is not None:
             return kernel_module("lora").lora_apply(x, y, A, B, self.kernel_slots, self.r, splits=outs,
-                                                    stride=self.slots.max_rank)
+                                                    stride=self.slots.max_rank, segments=self.kernel_segments)
         col = 0
         for m, n in zip(MEMBERS[group], outs):
             y[:, col:col + n] = self.apply(layer, m, x, y[:, col:col + n])
@@ -140,7 +147,7 @@ class SlotLoRA:
 
     def _delta(self, A: torch.Tensor, B: torch.Tensor, r: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.kernel_slots is not None:
-            return kernel_module("lora").lora_apply(x, y, A, B, self.kernel_slots, r)
+            return kernel_module("lora").lora_apply(x, y, A, B, self.kernel_slots, r, segments=self.kernel_segments)
         if self.uniform:
             s = self.active[0]
             return y + (x @ A[s, :r].t()) @ B[s, :r]
