@@ -360,7 +360,7 @@ def table(report: dict) -> str:
 def append_results(run: Run, path: Path) -> None:
     r, a = run.report, run.args
     text = (f"\n## run_all.py, {r['date']}, {r['device']}\n\n"
-            f"Command: `PYTHONPATH=$PWD python3 bench/run_all.py --tokenizer .data/tok{' --tiny' if a.tiny else ''}`; "
+            f"Command: `PYTHONPATH=$PWD python3 bench/run_all.py {' '.join(sys.argv[1:])}`; "
             f"{r['shape']} shapes, random bf16 weights, LoRA r16 on all 7 projections; torch {r['torch']}. "
             f"Seconds per part: {json.dumps(r['seconds'])}.\n\n{table(r)}\n")
     if r["errors"]:
