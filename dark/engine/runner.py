@@ -103,6 +103,7 @@ class ModelRunner:
         self._meta_dev = torch.zeros(5, rows, dtype=torch.int64, device=self.device)
         self._bt_host = torch.zeros(rows, width, dtype=torch.int32, pin_memory=pin)
         self._bt_dev = torch.zeros(rows, width, dtype=torch.int32, device=self.device)
+        self._bt_rows: list = [None] * rows  # per row: (block table list, its length) last written there
         self._buffers_for = rows
 
     def _forward_decode(self, rows: int, with_lora: bool) -> torch.Tensor:
@@ -122,13 +123,21 @@ class ModelRunner:
         meta, bt = self._meta_host.numpy(), self._bt_host.numpy()
         meta[:, b:rows] = 0
         meta[_SLOT, b:rows] = meta[_LORA, b:rows] = -1  # padded rows: nothing stored, no adapter, empty context
-        seqs = []
-        for i, (seq, _) in enumerate(batch):
-            p = seq.num_computed
+        seqs = [seq for seq, _ in batch]
+        pos = [seq.num_computed for seq in seqs]
+        meta[_IDS, :b] = [seq.token_ids[p] for seq, p in zip(seqs, pos)]
+        meta[_POS, :b] = pos
+        meta[_SLOT, :b] = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, pos)]
+        meta[_CTX, :b] = [p + 1 for p in pos]
+        meta[_LORA, :b] = [seq.slot for seq in seqs]
+        written = self._bt_rows
+        for i, seq in enumerate(seqs):
+            # a table only grows in place, or is replaced by a new list when its blocks are freed: the same
+            # list at the same length is the same row, already in the buffer (most rows of most steps)
             table = seq.block_table
-            meta[:, i] = (seq.token_ids[p], p, table[p // bs] * bs + p % bs, p + 1, seq.slot)
-            bt[i, :len(table)] = table
-            seqs.append(seq)
+            if written[i] is None or written[i][0] is not table or written[i][1] != len(table):
+                bt[i, :len(table)] = table
+                written[i] = (table, len(table))
         width = max(len(seq.block_table) for seq in seqs)
         self._meta_dev[:, :rows].copy_(self._meta_host[:, :rows], non_blocking=True)
         self._bt_dev[:rows, :width].copy_(self._bt_host[:rows, :width], non_blocking=True)
