@@ -1,19 +1,20 @@
 """Multi-adapter LoRA for a batch where every token has its own adapter slot (SGMV style: one read per adapter).
 
 A [slots, R, in] and B [slots, R, out] (B pre-scaled) are the engine's stacked factors; token t uses slot
-s_t, or none when s_t = -1. `lora_segments` sorts the slots once per forward (`torch.sort`: no host sync, no
-dynamic shape, so a CUDA graph keeps it): tokens of one adapter then sit side by side, a segment, and `order`
-maps each sorted position back to its token. Both kernels run over sorted positions; the program at position
-i works only where a block of BT = 16 tokens starts, that is at segment start + 16k (the -1 segment, which
-sorts first, is skipped), and finds its segment's bounds by counting the sorted slots below and up to its own.
-A segment of 40 tokens is three such blocks in three programs; a lone token is a block of one.
+s_t, or none when s_t = -1. `lora_segments` runs once per forward: it sorts the slots (`torch.sort`), so each
+adapter's tokens sit side by side (a segment), and cuts every segment into blocks of up to BLOCK_T = 16
+tokens, one row of a small table each (the slot, then the block's token indices); -1 tokens get none. Only
+fixed-shape torch ops with no host sync: a CUDA graph captures it with the step. Both kernels run one program
+row per table row (G rows, a bound on the blocks from T and the slot count; rows past the last block exit at
+once): a segment of 40 tokens is three blocks, a lone token a block of one. A batch of one needs no table.
 
 `lora_shrink` computes h[t] = A[s] @ x[t] in fp32 for a block's tokens with one `tl.dot` per K tile: the
-block's x rows are gathered through `order`, the A tile is read once for the block (not once per token), and
-the work is split along `in` so a batch of one still spreads over the chip (each range writes its own
-partial sum at the token's own row of h: no atomics, no zero fill). `lora_expand` reads a B tile once per
+block's x rows are gathered by the table's token indices, the A tile is read once for the block (not once per
+token), and the work is split along `in` so a batch of one still spreads over the chip (each range writes its
+own partial sum at the token's own row of h: no atomics, no zero fill). `lora_expand` reads a B tile once per
 block, sums the partials of the block's codes, multiplies them by the tile (`tl.dot`) and adds the result into
-the tokens' rows of y in place. Two launches per projection, whatever the mix of adapters; inside a CUDA
+the tokens' rows of y in place; one program covers several column tiles when many blocks share the launch,
+so the codes are summed once for them. Two launches per projection, whatever the mix of adapters; inside a CUDA
 graph the slot tensor is the only input that changes. A step of 64 tokens over 32 adapters reads each
 adapter's factors about once, not 64 times; long prefills keep the dense torch math (dark.lora.slots).
 
@@ -42,7 +43,6 @@ except ImportError:
     triton = None
 
 BLOCK_T = 16  # tokens of one segment per program (tl.dot needs 16 rows at least; short blocks are masked)
-SCAN = 128    # sorted slots read per step while a program looks for its segment's bounds
 
 
 def lora_reference(x, y, A, B, token_slots, rank: int, splits=None, stride: int = 0):
@@ -63,48 +63,58 @@ def lora_reference(x, y, A, B, token_slots, rank: int, splits=None, stride: int 
     return out.to(y.dtype)
 
 
-def lora_segments(token_slots):
-    """(sorted slots, order): token order[i] has the i-th smallest slot. Run once per forward and passed to
-    every projection's kernels; a batch of one needs no sort (order None: position i is token i)."""
-    if token_slots.numel() <= 1:
-        return token_slots, None
-    return torch.sort(token_slots)
+def lora_segments(token_slots, max_slots: int | None = None):
+    """The step's block table, once per forward, shared by every projection's kernels: int32 [G, 1 + BLOCK_T],
+    row g = (slot, its tokens in sorted order padded with -1); rows past the last block have slot -1.
+
+    Sorting puts each adapter's tokens side by side (a segment); a segment of L tokens is ceil(L / 16) rows, so
+    G = min(T, (T + 15 * segments) // 16) rows always suffice, with segments <= max_slots (the engine's slot
+    count) when given. Only torch ops of fixed shape and no host sync: a CUDA graph captures it with the step.
+    A batch of one needs no table: its slot tensor is returned as it is."""
+    T = token_slots.numel()
+    if T <= 1:
+        return token_slots.view(-1)
+    nseg = T if max_slots is None else min(T, max_slots)
+    G = max(1, min(T, (T + (BLOCK_T - 1) * nseg) // BLOCK_T))
+    sorted_slots, order = torch.sort(token_slots.view(-1))
+    pos = torch.arange(T, device=token_slots.device)
+    start = torch.searchsorted(sorted_slots, sorted_slots)  # first position of each one's segment
+    end = torch.searchsorted(sorted_slots, sorted_slots, right=True)
+    owns = (sorted_slots >= 0) & ((pos - start) % BLOCK_T == 0)  # a block of 16 starts here
+    first = torch.sort(torch.where(owns, pos, pos + T)).values[:G]  # the blocks' first positions, in order
+    valid = first < T
+    first = first % T
+    p = first[:, None] + torch.arange(BLOCK_T, device=token_slots.device)
+    member = valid[:, None] & (p < end[first][:, None])
+    tokens = torch.where(member, order[p.clamp(max=T - 1)], -1)
+    slot = torch.where(valid, sorted_slots[first], -1)
+    return torch.cat([slot[:, None], tokens], 1).to(torch.int32)
 
 
 if triton is not None:
 
     @triton.jit
-    def _block(sorted_ptr, order_ptr, T, BT: tl.constexpr, SCAN: tl.constexpr, NSCAN: tl.constexpr,
-               SORTED: tl.constexpr):
-        """The block of sorted positions this program owns: (its slot, whether it owns one, the tokens' rows
-        [BT] and their mask). A block starts at its segment's start + BT k."""
-        i = tl.program_id(0)
-        s = tl.load(sorted_ptr + i).to(tl.int64)
-        start = i * 0
-        end = i * 0
-        if s >= 0:  # the -1 segment does nothing: skip the scan
-            for j in tl.static_range(NSCAN):  # NSCAN * SCAN >= T
-                p = j * SCAN + tl.arange(0, SCAN)
-                v = tl.load(sorted_ptr + p, mask=p < T, other=2147483647).to(tl.int64)
-                start += tl.sum((v < s).to(tl.int32), 0)
-                end += tl.sum((v <= s).to(tl.int32), 0)
-        owns = (s >= 0) & ((i - start) % BT == 0)
-        pos = i + tl.arange(0, BT)
-        pm = pos < end
-        if SORTED:
-            tok = tl.load(order_ptr + pos, mask=pm, other=0).to(tl.int64)
-        else:
-            tok = pos.to(tl.int64)
-        return tl.maximum(s, 0), owns, tok, pm
+    def _block(table_ptr, BT: tl.constexpr, SORTED: tl.constexpr):
+        """This program's block: (its slot, whether it has tokens, their rows [BT], their mask)."""
+        g = tl.program_id(0)
+        j = tl.arange(0, BT)
+        if SORTED:  # one row of the table: slot, then tokens (-1: none)
+            s = tl.load(table_ptr + g * (BT + 1)).to(tl.int64)
+            tok = tl.load(table_ptr + g * (BT + 1) + 1 + j).to(tl.int64)
+            pm = tok >= 0
+        else:  # a batch of one: the slot tensor itself
+            s = tl.load(table_ptr).to(tl.int64)
+            tok = j.to(tl.int64)
+            pm = (j < 1) & (s >= 0)
+        return tl.maximum(s, 0), s >= 0, tl.maximum(tok, 0), pm
 
     @triton.jit
-    def _shrink_kernel(x_ptr, a_ptr, sorted_ptr, order_ptr, h_ptr, T, K, stride_xt, stride_as, stride_ar,
+    def _shrink_kernel(x_ptr, a_ptr, table_ptr, h_ptr, K, stride_xt, stride_as, stride_ar,
                        R: tl.constexpr, BR: tl.constexpr, MB: tl.constexpr, CHUNK: tl.constexpr,
                        BK: tl.constexpr, SPLITS: tl.constexpr, MEMBERS: tl.constexpr, STRIDE: tl.constexpr,
-                       BT: tl.constexpr, SCAN: tl.constexpr, NSCAN: tl.constexpr, SORTED: tl.constexpr,
-                       UPCAST: tl.constexpr):
+                       BT: tl.constexpr, SORTED: tl.constexpr, UPCAST: tl.constexpr):
         sp = tl.program_id(1)
-        s, owns, tok, pm = _block(sorted_ptr, order_ptr, T, BT, SCAN, NSCAN, SORTED)
+        s, owns, tok, pm = _block(table_ptr, BT, SORTED)
         if owns:
             c = tl.arange(0, MB)  # code column: member c // BR, rank row c % BR
             m = c // BR
@@ -127,58 +137,73 @@ if triton is not None:
                      mask=pm[:, None] & (c < MEMBERS * BR)[None, :])
 
     @triton.jit
-    def _expand_kernel(h_ptr, b_ptr, sorted_ptr, order_ptr, y_ptr, T, N, N1, N2, stride_bs, stride_br,
-                       stride_yt, R: tl.constexpr, BR: tl.constexpr, MB: tl.constexpr, SPLITS: tl.constexpr,
-                       BN: tl.constexpr, MEMBERS: tl.constexpr, BT: tl.constexpr, SCAN: tl.constexpr,
-                       NSCAN: tl.constexpr, SORTED: tl.constexpr, UPCAST: tl.constexpr):
+    def _expand_kernel(h_ptr, b_ptr, table_ptr, y_ptr, N, N1, N2, stride_bs, stride_br, stride_yt,
+                       R: tl.constexpr, BR: tl.constexpr, MB: tl.constexpr, SPLITS: tl.constexpr,
+                       BN: tl.constexpr, TILES: tl.constexpr, MEMBERS: tl.constexpr, BT: tl.constexpr,
+                       SORTED: tl.constexpr, UPCAST: tl.constexpr):
         nb = tl.program_id(1)
-        s, owns, tok, pm = _block(sorted_ptr, order_ptr, T, BT, SCAN, NSCAN, SORTED)
+        s, owns, tok, pm = _block(table_ptr, BT, SORTED)
         if owns:
-            n = nb * BN + tl.arange(0, BN)
-            nm = n < N
-            member = (n >= N1).to(tl.int32) + (n >= N2).to(tl.int32)  # which member's output each column is
             c = tl.arange(0, MB)
             m = c // BR
             r = c % BR
-            # row c of the tile is B's rank row c % BR, kept only in the columns of member c // BR
-            b = tl.load(b_ptr + s * stride_bs + r[:, None] * stride_br + n[None, :],
-                        mask=(r < R)[:, None] & (m[:, None] == member[None, :]) & nm[None, :], other=0.0)
             hp = h_ptr + tok[:, None] * (SPLITS * MEMBERS * BR) + c[None, :]
             hm = pm[:, None] & (c < MEMBERS * BR)[None, :]
             h = tl.zeros([BT, MB], tl.float32)
             for sp in tl.static_range(SPLITS):  # unrolled: the partials' loads all in flight at once
                 h += tl.load(hp + sp * (MEMBERS * BR), mask=hm, other=0.0)
-            if UPCAST or b.dtype == tl.float32:
-                d = tl.dot(h, b.to(tl.float32), input_precision="ieee")
+            if UPCAST or b_ptr.dtype.element_ty == tl.float32:
+                hi = h
+                lo = h
             else:  # fp32 codes as hi + lo halves: the tensor cores, with the code not rounded to bf16
-                hi = h.to(b.dtype)
-                lo = (h - hi.to(tl.float32)).to(b.dtype)
-                d = tl.dot(lo, b, tl.dot(hi, b))
-            yp = y_ptr + tok[:, None] * stride_yt + n[None, :]
-            ym = pm[:, None] & nm[None, :]
-            y = tl.load(yp, mask=ym, other=0.0).to(tl.float32)
-            tl.store(yp, (y + d).to(y_ptr.dtype.element_ty), mask=ym)
+                hi = h.to(b_ptr.dtype.element_ty)
+                lo = (h - hi.to(tl.float32)).to(b_ptr.dtype.element_ty)
+            for t in range(TILES):  # TILES tiles of BN columns each, the codes loaded once for all
+                n = (nb * TILES + t) * BN + tl.arange(0, BN)
+                nm = n < N
+                member = (n >= N1).to(tl.int32) + (n >= N2).to(tl.int32)  # which member's output each column is
+                # row c of the tile is B's rank row c % BR, kept only in the columns of member c // BR
+                b = tl.load(b_ptr + s * stride_bs + r[:, None] * stride_br + n[None, :],
+                            mask=(r < R)[:, None] & (m[:, None] == member[None, :]) & nm[None, :], other=0.0)
+                if UPCAST or b_ptr.dtype.element_ty == tl.float32:
+                    d = tl.dot(h, b.to(tl.float32), input_precision="ieee")
+                else:
+                    d = tl.dot(lo, b, tl.dot(hi, b))
+                yp = y_ptr + tok[:, None] * stride_yt + n[None, :]
+                ym = pm[:, None] & nm[None, :]
+                y = tl.load(yp, mask=ym, other=0.0).to(tl.float32)
+                tl.store(yp, (y + d).to(y_ptr.dtype.element_ty), mask=ym)
 
 
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _segment_args(token_slots, segments):
-    sorted_slots, order = segments if segments is not None else lora_segments(token_slots)
-    if order is None:
-        assert sorted_slots.numel() <= 1, "order None means a batch of at most one token"
-        return sorted_slots, sorted_slots, False
-    return sorted_slots, order, True
+# programs per launch the kernels aim for when choosing the K-range (shrink) and the columns (expand) of one
+# program: fewer, longer programs once many blocks share the launch; many short ones for a batch of one
+SHRINK_PROGRAMS = 1024
+EXPAND_PROGRAMS = 2048
 
 
-def lora_shrink(x, A, token_slots, rank: int, chunk: int = 512, block_k: int = 128, members: int = 1,
+def _table(token_slots, segments):
+    table = segments if segments is not None else lora_segments(token_slots)
+    if table.dim() == 1:
+        assert table.numel() == 1, "a table of one dimension is the slot of a batch of one"
+        return table, 1, False
+    return table, table.shape[0], True
+
+
+def lora_shrink(x, A, token_slots, rank: int, chunk: int | None = None, block_k: int = 128, members: int = 1,
                 stride: int = 0, segments=None):
     """x [T, in] -> partial codes [T, splits, members, BR] fp32; for a token with a slot, the sum over axis 1 of
     [:, :, m, :rank] is A[s_t, m * stride:m * stride + rank] @ x[t] (rows of tokens without one are left
-    unwritten). segments: lora_segments(token_slots), when the caller shares it between projections."""
+    unwritten). segments: lora_segments(token_slots), when the caller shares it between projections; chunk:
+    the K-range of one program (None: from the number of blocks)."""
     T, K = x.shape
     assert x.stride(1) == 1 and A.stride(2) == 1
+    table, rows, is_sorted = _table(token_slots, segments) if T else (None, 0, False)
+    if chunk is None:
+        chunk = min(4096, max(512, triton.next_power_of_2(triton.cdiv(K, max(1, SHRINK_PROGRAMS // max(rows, 1))))))
     chunk = max(16, min(chunk, triton.next_power_of_2(K)))
     br = max(16, triton.next_power_of_2(rank))
     mb = triton.next_power_of_2(members) * br
@@ -187,38 +212,41 @@ def lora_shrink(x, A, token_slots, rank: int, chunk: int = 512, block_k: int = 1
     h = torch.empty(T, splits, members, br, device=x.device, dtype=torch.float32)
     if T == 0:
         return h
-    sorted_slots, order, is_sorted = _segment_args(token_slots, segments)
-    _shrink_kernel[(T, splits)](x, A, sorted_slots, order, h, T, K, x.stride(0), A.stride(0), A.stride(1),
-                                R=rank, BR=br, MB=mb, CHUNK=chunk, BK=block_k, SPLITS=splits, MEMBERS=members,
-                                STRIDE=stride, BT=BLOCK_T, SCAN=SCAN, NSCAN=triton.cdiv(T, SCAN), SORTED=is_sorted,
-                                UPCAST=_interpreted())
+    _shrink_kernel[(rows, splits)](x, A, table, h, K, x.stride(0), A.stride(0), A.stride(1), R=rank, BR=br, MB=mb,
+                                   CHUNK=chunk, BK=block_k, SPLITS=splits, MEMBERS=members, STRIDE=stride,
+                                   BT=BLOCK_T, SORTED=is_sorted, UPCAST=_interpreted())
     return h
 
 
-def lora_expand(h, B, token_slots, y, rank: int, block_n: int = 256, splits=None, segments=None):
+def lora_expand(h, B, token_slots, y, rank: int, block_n: int = 256, splits=None, segments=None,
+                tiles: int | None = None):
     """y [T, out] += B[s_t, :rank]^T @ sum(h[t]) for tokens with a slot, each output column with the code of
-    its member (splits: the members' out sizes; at most 3); returns y."""
+    its member (splits: the members' out sizes; at most 3); returns y. tiles: column tiles of one program
+    (None: from the number of blocks)."""
     T, N = y.shape
     parts, members, br = h.shape[1], h.shape[2], h.shape[3]
     splits = splits or [N]
     assert y.stride(1) == 1 and B.stride(2) == 1 and len(splits) == members <= 3 and sum(splits) == N
     if T == 0:
         return y
+    table, rows, is_sorted = _table(token_slots, segments)
     bounds = [sum(splits[:i + 1]) for i in range(members - 1)] + [N, N]
     mb = triton.next_power_of_2(members) * br
     block_n = max(16, min(block_n, triton.next_power_of_2(N), max(64, 16384 // mb)))
-    sorted_slots, order, is_sorted = _segment_args(token_slots, segments)
-    _expand_kernel[(T, triton.cdiv(N, block_n))](h, B, sorted_slots, order, y, T, N, bounds[0], bounds[1],
-                                                 B.stride(0), B.stride(1), y.stride(0), R=rank, BR=br, MB=mb,
-                                                 SPLITS=parts, BN=block_n, MEMBERS=members, BT=BLOCK_T,
-                                                 SCAN=SCAN, NSCAN=triton.cdiv(T, SCAN), SORTED=is_sorted,
-                                                 UPCAST=_interpreted())
+    n_tiles = triton.cdiv(N, block_n)
+    if tiles is None:
+        tiles = triton.cdiv(n_tiles, max(1, EXPAND_PROGRAMS // rows))
+    tiles = max(1, min(tiles, n_tiles))
+    _expand_kernel[(rows, triton.cdiv(n_tiles, tiles))](h, B, table, y, N, bounds[0], bounds[1], B.stride(0),
+                                                        B.stride(1), y.stride(0), R=rank, BR=br, MB=mb,
+                                                        SPLITS=parts, BN=block_n, TILES=tiles, MEMBERS=members,
+                                                        BT=BLOCK_T, SORTED=is_sorted, UPCAST=_interpreted())
     return y
 
 
 def lora_apply(x, y, A, B, token_slots, rank: int, splits=None, stride: int = 0, segments=None):
     """y += each token's LoRA delta (in place): shrink then expand (a group when splits names its members).
-    segments: lora_segments(token_slots), computed once per forward by the caller; sorted here when None."""
+    segments: lora_segments(token_slots), computed once per forward by the caller; made here when None."""
     members = len(splits) if splits else 1
     if segments is None:
         segments = lora_segments(token_slots)

@@ -116,12 +116,12 @@ class SlotLoRA:
     def with_kernels(cls, slots: AdapterSlots, token_slots: torch.Tensor) -> "SlotLoRA":
         """Kernel path: token_slots an integer device tensor ([T], -1 = none); may be a CUDA graph's static input.
 
-        The slots are sorted here, once for every projection of the forward (inside the graph when captured:
-        torch.sort needs no host sync and keeps the shape)."""
+        The slots are sorted into the kernels' block table here, once for every projection of the forward
+        (inside the graph when captured: fixed shapes, no host sync)."""
         lora = cls.__new__(cls)
         lora.slots, lora.active, lora.token_slots, lora.uniform = slots, None, None, False
         lora.kernel_slots, lora.r = token_slots, slots.kernel_rank()
-        lora.kernel_segments = kernel_module("lora").lora_segments(token_slots)
+        lora.kernel_segments = kernel_module("lora").lora_segments(token_slots, slots.num_slots)
         return lora
 
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
