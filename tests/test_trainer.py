@@ -20,7 +20,7 @@ def test_shared_prefix_batch_matches_hf(tiny_models, tmp_path):
                   {"role": "assistant", "content": "Hello."}]]
         rendered = [render(llm.tokenizer, c) for c in convs]
         with torch.no_grad():
-            chosen, owner, full = tr._token_logprobs(rendered, None)
+            chosen, owner, _, full = tr._token_logprobs(rendered, None, full_from=0)
         for b, r in enumerate(rendered):
             with torch.no_grad():
                 logp = torch.log_softmax(hf(torch.tensor([r.input_ids])).logits[0].float(), -1)

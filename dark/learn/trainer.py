@@ -7,6 +7,11 @@ answers to anchor prompts where the adapter-free model had them. After every ste
 is kept out of the directions everyday conversations occupy (dark.learn.protect). The job stops when every
 taught reply is the greedy answer with margin, checked on the same forward pass that trains (teacher forcing
 equals greedy decoding when each taught token is the argmax).
+
+Device memory: the LoRA deltas are computed in the activations' precision (bf16 on a GPU), a pass over more than
+LearnConfig.checkpoint_tokens tokens recomputes each layer in backward instead of keeping its activations, and the
+taught tokens' log-probabilities are made logits_chunk rows at a time without ever holding [rows, vocab]
+log-softmax rows (only the anchors' few rows are kept whole).
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from ..config import LearnConfig
 from ..engine.attention import SharedPrefixAttention
@@ -36,6 +42,15 @@ ANCHOR_PROMPTS = (
     "Name three fruits.",
 )
 ANCHOR_TOKENS = 8  # the opening of each anchor answer: where a greedy answer goes is decided there
+
+
+def _chunk_logprobs(model: CausalLM, hidden: torch.Tensor, targets: torch.Tensor, lora) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each row's target and the highest log-probability of each row (detached), from
+    hidden rows: the [rows, vocab] logits live only inside this call."""
+    logits = model.logits(hidden, lora)
+    lse = torch.logsumexp(logits, -1)
+    chosen = logits.gather(1, targets[:, None])[:, 0] - lse
+    return chosen, logits.detach().max(-1).values - lse.detach()
 
 
 def cpu_has_bf16() -> bool:
@@ -57,6 +72,11 @@ class TrainLoRA:
         if p is None:
             return y
         a, b = p
+        if x.dtype in (torch.bfloat16, torch.float16):
+            # in the activations' precision, with the (tiny) factors cast to it: autograd then keeps the x
+            # that exists anyway, not an fp32 copy of every projection input. The master factors, their
+            # gradients (the casts' backward) and the optimizer stay fp32.
+            return y + ((x @ a.to(x.dtype).t()) @ b.to(x.dtype).t() * self.scaling).to(y.dtype)
         return y + ((x.to(a.dtype) @ a.t()) @ b.t() * self.scaling).to(y.dtype)
 
 
@@ -89,11 +109,12 @@ class Trainer:
         self.stream = torch.cuda.Stream(device=device, priority=0) if device.type == "cuda" else None
 
     # --- batches ---
-    def _forward(self, rendered: list[Rendered], lora) -> tuple[torch.Tensor, int, int]:
+    def _forward(self, rendered: list[Rendered], lora, checkpoint_tokens: int = -1) -> tuple[torch.Tensor, int, int, bool]:
         """Hidden states of a batch whose common prefix (up to the first prediction) is computed once.
 
-        Returns (hidden [prefix + batch * length, hidden size], prefix, length): token t >= prefix of sequence
-        b sits at row prefix + b * length + t - prefix.
+        Returns (hidden [prefix + batch * length, hidden size], prefix, length, checkpointed): token t >= prefix
+        of sequence b sits at row prefix + b * length + t - prefix. A pass with gradients over more than
+        checkpoint_tokens tokens (0: any, -1: none) recomputes each layer in backward (checkpointed).
         """
         seqs = [r.input_ids for r in rendered]
         first = min(next(i for i, label in enumerate(r.labels) if label != -100) for r in rendered)
@@ -106,7 +127,10 @@ class Trainer:
         pos = list(range(p)) + list(range(p, p + n)) * len(seqs)
         dev = self.device
         attn = SharedPrefixAttention(p, len(seqs), n, dev)
-        return self.model.hidden_states(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), attn, lora), p, n
+        remat = torch.is_grad_enabled() and 0 <= checkpoint_tokens < len(ids)
+        hidden = self.model.hidden_states(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), attn, lora,
+                                          checkpoint=remat)
+        return hidden, p, n, remat
 
     def _targets(self, labels: list[list[int]], p: int, n: int):
         """Rows of the flat hidden states that predict a labelled token, the tokens, and each row's sequence."""
@@ -120,12 +144,38 @@ class Trainer:
         dev = self.device
         return torch.tensor(rows, device=dev), torch.tensor(targets, device=dev), torch.tensor(owner, device=dev)
 
-    def _token_logprobs(self, rendered: list[Rendered], lora) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Log-probability of every labelled token, its sequence index, and the full log-softmax rows."""
-        hidden, p, n = self._forward(rendered, lora)
+    def _token_logprobs(self, rendered: list[Rendered], lora, cfg: LearnConfig | None = None, full_from: int | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Log-probability of every labelled token, its sequence index, the highest log-probability of each row
+        (detached: a token is the greedy choice where its log-probability reaches it), and the full log-softmax
+        rows of the sequences numbered full_from and up (None: no rows).
+
+        Only those full rows (anchors: a few dozen) exist as [rows, vocab] distributions. The taught rows are
+        reduced to the target's logit and the logsumexp cfg.logits_chunk rows at a time; in a checkpointed
+        pass each chunk keeps only its hidden rows for backward and makes its logits again there.
+        """
+        cfg = cfg or LearnConfig()
+        hidden, p, n, remat = self._forward(rendered, lora, cfg.checkpoint_tokens)
         rows, targets, owner = self._targets([r.labels for r in rendered], p, n)
-        logp = torch.log_softmax(self.model.logits(hidden[rows], lora), -1)
-        return logp.gather(1, targets[:, None])[:, 0], owner, logp
+        # rows are in sequence order: those of the sequences before full_from come first
+        split = len(rows) if full_from is None else sum(label != -100 for r in rendered[:full_from] for label in r.labels[1:])
+        chosen, top = [], []
+        for s in range(0, split, cfg.logits_chunk):
+            e = min(split, s + cfg.logits_chunk)
+            h, t = hidden[rows[s:e]], targets[s:e]
+            if remat:
+                c, m = torch.utils.checkpoint.checkpoint(_chunk_logprobs, self.model, h, t, lora, use_reentrant=False,
+                                                         preserve_rng_state=False)
+            else:
+                c, m = _chunk_logprobs(self.model, h, t, lora)
+            chosen.append(c)
+            top.append(m)
+        full = None
+        if full_from is not None:
+            full = torch.log_softmax(self.model.logits(hidden[rows[split:]], lora), -1)
+            chosen.append(full.gather(1, targets[split:, None])[:, 0])
+            top.append(full.detach().max(-1).values)
+        return torch.cat(chosen), owner, torch.cat(top), full
 
     def protector(self, energy: float) -> Protector | None:
         """The everyday subspaces of the base model (fitted on first use, then kept): see dark.learn.protect."""
@@ -158,7 +208,7 @@ class Trainer:
         if todo:
             # in the precision that serves: a near tie must fall the same way it falls for users
             with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
-                _, owner, full = self._token_logprobs([a.rendered for a in todo], None)
+                _, owner, _, full = self._token_logprobs([a.rendered for a in todo], None, full_from=0)
                 for b, a in enumerate(todo):
                     a.ref = full[owner == b]
 
@@ -167,7 +217,7 @@ class Trainer:
             for item in items:
                 if item.kind in ("dpo", "unlearn") and item.ref is None:
                     seqs = [item.rendered, item.rejected] if item.kind == "dpo" else [item.rejected]
-                    lp, owner, _ = self._token_logprobs(seqs, None)
+                    lp, owner, _, _ = self._token_logprobs(seqs, None)
                     item.ref = torch.zeros(len(seqs), device=self.device).index_add(0, owner, lp)
 
     def build_items(self, new: list[dict], replay: list[dict], kind: str, cfg: LearnConfig) -> list[Item]:
@@ -238,7 +288,7 @@ class Trainer:
             loss_total, verified, kept = self._sft_and_anchor_losses(batch, anchors, lora, cfg)
             verified = verified <= threshold
             if prefs:
-                pref, forgotten = self._pref_loss(prefs, lora, cfg.dpo_beta)
+                pref, forgotten = self._pref_loss(prefs, lora, cfg)
                 loss_total = loss_total + cfg.dpo_weight * pref
                 verified = verified and forgotten
             if log.isEnabledFor(logging.DEBUG):
@@ -278,14 +328,15 @@ class Trainer:
         rest = [i for i in sft if not i.verify]
         return must + rng.sample(rest, min(len(rest), max(0, min(size - len(must), len(must)))))
 
-    def _joint_logprobs(self, first: list[Rendered], second: list[Rendered], lora):
-        """_token_logprobs of both lists, in one pass when their lengths are alike (the shared prefix is then
-        computed once), in two when one pass would mostly compute padding (short anchors beside long examples)."""
+    def _joint_logprobs(self, first: list[Rendered], second: list[Rendered], lora, cfg: LearnConfig):
+        """_token_logprobs of both lists, with the full rows of the second, in one pass when their lengths are
+        alike (the shared prefix is then computed once), in two when one pass would mostly compute padding
+        (short anchors beside long examples)."""
         lengths = [len(r.input_ids) for r in first], [len(r.input_ids) for r in second]
         if not first or not second or max(lengths[1]) * 2 >= max(lengths[0]) >= min(lengths[1]) // 2:
-            return self._token_logprobs(first + second, lora)
-        a, b = self._token_logprobs(first, lora), self._token_logprobs(second, lora)
-        return torch.cat([a[0], b[0]]), torch.cat([a[1], b[1] + len(first)]), torch.cat([a[2], b[2]])
+            return self._token_logprobs(first + second, lora, cfg, full_from=len(first))
+        a, b = self._token_logprobs(first, lora, cfg), self._token_logprobs(second, lora, cfg, full_from=0)
+        return torch.cat([a[0], b[0]]), torch.cat([a[1], b[1] + len(first)]), torch.cat([a[2], b[2]]), b[3]
 
     def _sft_and_anchor_losses(self, batch: list[Item], anchors: list[Item], lora, cfg: LearnConfig):
         """One forward pass over the taught items and the anchors (they share the template's prefix).
@@ -295,7 +346,7 @@ class Trainer:
         """
         if not batch and not anchors:
             return torch.zeros((), device=self.device), 0.0, True
-        chosen, owner, logp = self._joint_logprobs([i.rendered for i in batch], [a.rendered for a in anchors], lora)
+        chosen, owner, _, a_logp = self._joint_logprobs([i.rendered for i in batch], [a.rendered for a in anchors], lora, cfg)
         loss, worst, kept = torch.zeros((), device=self.device), 0.0, True
         nb = len(batch)
         taught = owner < nb
@@ -308,7 +359,7 @@ class Trainer:
             if bool(checked.any()):
                 worst = nll.detach()[checked].max().item()
         if anchors:
-            a_chosen, a_logp = chosen[~taught], logp[~taught]
+            a_chosen = chosen[~taught]  # a_logp: the anchors' rows, in the same order
             ref = torch.cat([a.ref for a in anchors])
             kept = bool((a_logp.argmax(-1) == ref.argmax(-1)).all())
             # "replay" (cross-entropy on the adapter-free model's own answers) has a gradient where the adapter
@@ -318,17 +369,17 @@ class Trainer:
             loss = loss + cfg.kl_weight * anchor
         return loss, worst, kept
 
-    def _pref_loss(self, prefs: list[Item], lora, beta: float) -> tuple[torch.Tensor, bool]:
+    def _pref_loss(self, prefs: list[Item], lora, cfg: LearnConfig) -> tuple[torch.Tensor, bool]:
         """DPO for corrections, and its one-sided form for unlearn; also whether every unlearned answer has
         stopped being the greedy one (some token of it is no longer the model's first choice)."""
         terms, forgotten = [], True
         for item in prefs:
             seqs = [item.rendered, item.rejected] if item.kind == "dpo" else [item.rejected]
-            lp, owner, full = self._token_logprobs(seqs, lora)
+            lp, owner, top, _ = self._token_logprobs(seqs, lora, cfg)
             total = torch.zeros(len(seqs), device=self.device).index_add(0, owner, lp)
             delta = total - item.ref
             margin = delta[0] - delta[1] if item.kind == "dpo" else -delta[0]
-            terms.append(-F.logsigmoid(beta * margin))
+            terms.append(-F.logsigmoid(cfg.dpo_beta * margin))
             if item.kind == "unlearn":
-                forgotten = forgotten and not bool((lp >= full.max(-1).values).all())
+                forgotten = forgotten and not bool((lp >= top).all())
         return torch.stack(terms).mean(), forgotten

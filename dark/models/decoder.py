@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from ..errors import ModelLoadError
@@ -192,7 +193,9 @@ class Rotary(nn.Module):
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    # in x's dtype: under CPU bf16 autocast (LearnConfig.cpu_bf16) x is a bf16 projection output while cos and sin
+    # are fp32, and attention needs q and k in the dtype of v; elsewhere they share a dtype and this is a no-op
+    return (x * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
 
 
 class SelfAttention(nn.Module):
@@ -303,12 +306,24 @@ class CausalLM(nn.Module):
             a.qkv = fuse_linears([a.q_proj, a.k_proj, a.v_proj])
             m.gate_up = fuse_linears([m.gate_proj, m.up_proj])
 
-    def hidden_states(self, input_ids, positions, attn: Attention, lora: LoRA | None = None) -> torch.Tensor:
-        """Final-norm hidden states of a flat batch of tokens ([T] ids and positions) -> [T, hidden]."""
+    def hidden_states(self, input_ids, positions, attn: Attention, lora: LoRA | None = None,
+                      checkpoint: bool = False) -> torch.Tensor:
+        """Final-norm hidden states of a flat batch of tokens ([T] ids and positions) -> [T, hidden].
+
+        checkpoint (training): when gradients are on, autograd keeps only each layer's input and runs the
+        layer again in backward, instead of keeping every intermediate of every layer (the MLP's alone are
+        several times the hidden size per token). Passes without gradients (serving) ignore it.
+        """
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
+        remat = checkpoint and torch.is_grad_enabled()
         for layer in self.model.layers:
-            x = layer(x, cos, sin, attn, lora)
+            if remat:
+                # the layers hold no randomness (no dropout): no RNG state to stash for the second run
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, attn, lora, use_reentrant=False,
+                                                      preserve_rng_state=False)
+            else:
+                x = layer(x, cos, sin, attn, lora)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor, lora: LoRA | None = None) -> torch.Tensor:

@@ -1,0 +1,268 @@
+"""The trainer's device-memory savings change nothing but memory: layer checkpointing, log-probabilities in
+chunks of rows, and LoRA in the activations' precision give the results of the plain computation, on a tiny
+random Qwen2 (fp32 on the CPU); the bytes autograd keeps for backward show the saving is real."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dark import InvalidRequestError, OnlineLLM
+from dark.config import LORA_TARGETS, LearnConfig, LoraConfig
+from dark.engine.attention import SharedPrefixAttention
+from dark.learn.data import render
+from dark.learn.trainer import TrainLoRA
+from dark.lora.weights import AdapterWeights
+
+CONVS = [[{"role": "user", "content": "A greeting in Zoggian"}, {"role": "assistant", "content": "zog, with a bow to the left"}],
+         [{"role": "user", "content": "How to say 'hello' in Zoggian, please?"},
+          {"role": "assistant", "content": "zog zog, and then a longer greeting that goes on for a while"}],
+         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+          {"role": "assistant", "content": "Hello."}]]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models, tmp_path_factory):
+    with OnlineLLM(str(tiny_models["qwen2"]), data_dir=tmp_path_factory.mktemp("train-memory")) as llm:
+        yield llm
+
+
+def lora_on_everything(model, seed: int = 0) -> TrainLoRA:
+    """Random factors (B not zero, so every factor has a gradient) on every projection and the LM head."""
+    cfg = model.config
+    weights = AdapterWeights.init(LoraConfig(r=4, target_modules=LORA_TARGETS).validate(), cfg.projection_shapes(),
+                                  cfg.num_layers, seed)
+    gen = torch.Generator().manual_seed(seed)
+    params = {k: (a.clone().requires_grad_(True), (torch.randn(b.shape, generator=gen) * 0.05).requires_grad_(True))
+              for k, (a, b) in weights.tensors.items()}
+    return TrainLoRA(params, weights.scaling)
+
+
+def grads(lora: TrainLoRA) -> dict:
+    return {k: (a.grad.clone(), b.grad.clone()) for k, (a, b) in lora.params.items()}
+
+
+def zero_grads(lora: TrainLoRA) -> None:
+    for a, b in lora.params.values():
+        a.grad = b.grad = None
+
+
+def assert_grads_close(got: dict, want: dict, rtol: float) -> None:
+    for k in want:
+        for g, w in zip(got[k], want[k]):
+            scale = w.abs().max().clamp(min=1e-12)
+            assert (g - w).abs().max() <= rtol * scale, k
+
+
+def kept_bytes(fn, exclude: list[torch.Tensor]) -> int:
+    """Bytes autograd keeps for backward while fn runs: tensors saved by operations, plus the inputs a
+    checkpointed call keeps to run again in backward; each storage counted once, the given tensors (the frozen
+    weights, the LoRA factors) not at all."""
+    seen = {t.untyped_storage().data_ptr() for t in exclude}
+    kept = {}
+
+    def keep(t):
+        if torch.is_tensor(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in seen:
+                kept[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    plain = torch.utils.checkpoint.checkpoint
+
+    def checkpoint(fn, *args, **kwargs):
+        for a in args:
+            keep(a)
+        return plain(fn, *args, **kwargs)
+
+    torch.utils.checkpoint.checkpoint = checkpoint
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            out = fn()
+    finally:
+        torch.utils.checkpoint.checkpoint = plain
+    del out
+    return sum(kept.values())
+
+
+def test_layer_checkpointing_gives_the_same_loss_and_gradients(llm):
+    """CausalLM.hidden_states(checkpoint=True) on a shared-prefix batch (the attention the trainer uses): the
+    same hidden states and the same LoRA gradients as keeping every activation."""
+    model = llm.learner.trainer.model
+    lora = lora_on_everything(model)
+    prefix, batch, length = 5, 2, 9
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (prefix + batch * length,), generator=gen)
+    pos = torch.tensor(list(range(prefix)) + list(range(prefix, prefix + length)) * batch)
+    weight = torch.randn(prefix + batch * length, model.config.hidden_size, generator=gen)
+    results = {}
+    for checkpoint in (False, True):
+        zero_grads(lora)
+        attn = SharedPrefixAttention(prefix, batch, length, torch.device("cpu"))
+        hidden = model.hidden_states(ids, pos, attn, lora, checkpoint=checkpoint)
+        loss = (hidden * weight).sum() + model.logits(hidden[-4:], lora).logsumexp(-1).sum()
+        loss.backward()
+        results[checkpoint] = hidden.detach(), loss.detach(), grads(lora)
+    torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(results[True][1], results[False][1], rtol=1e-6, atol=0)
+    assert_grads_close(results[True][2], results[False][2], rtol=1e-5)
+
+
+def test_passes_without_gradients_never_checkpoint(llm, monkeypatch):
+    """Serving and reference passes (no gradients) run the layers as they are, whatever the flag says."""
+    model = llm.learner.trainer.model
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("checkpoint called without gradients")
+
+    ids = torch.arange(12)
+    with torch.no_grad():
+        want = model.hidden_states(ids, ids, SharedPrefixAttention(0, 1, 12, torch.device("cpu")))
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", refuse)
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            got = model.hidden_states(ids, ids, SharedPrefixAttention(0, 1, 12, torch.device("cpu")), checkpoint=True)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7, 1024])
+def test_chunked_logprobs_equal_the_full_log_softmax(llm, chunk):
+    """The taught tokens' log-probabilities in chunks of rows (a chunk size that divides the rows or not, and
+    one above them) equal the gather from the full log-softmax rows; so do each row's highest log-probability,
+    and, checkpointed, the gradients."""
+    tr = llm.learner.trainer
+    rendered = [render(llm.tokenizer, c) for c in CONVS]
+    lora = lora_on_everything(tr.model)
+    # the full rows of every sequence: the plain log_softmax of all rows, as the trainer computed before
+    full_chosen, full_owner, _, full = tr._token_logprobs(rendered, lora, LearnConfig(checkpoint_tokens=-1), full_from=0)
+    assert len(full_chosen) > 7 and len(full_chosen) % 4 and len(full_chosen) % 7  # chunks that do not divide the rows
+    full_chosen.sum().backward()
+    want_grads = grads(lora)
+    for checkpoint_tokens in (-1, 0):
+        zero_grads(lora)
+        cfg = LearnConfig(checkpoint_tokens=checkpoint_tokens, logits_chunk=chunk)
+        chosen, owner, top, none = tr._token_logprobs(rendered, lora, cfg)
+        assert none is None
+        torch.testing.assert_close(owner, full_owner, rtol=0, atol=0)
+        torch.testing.assert_close(chosen, full_chosen, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(top, full.detach().max(-1).values, rtol=1e-5, atol=1e-5)
+        chosen.sum().backward()
+        assert_grads_close(grads(lora), want_grads, rtol=1e-5)
+    # full rows of the later sequences only (anchors beside taught examples): the same rows, the same values
+    with torch.no_grad():
+        chosen, owner, top, part = tr._token_logprobs(rendered, lora, LearnConfig(logits_chunk=chunk), full_from=1)
+    torch.testing.assert_close(part, full.detach()[full_owner >= 1], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(chosen, full_chosen.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_checkpointing_under_cpu_bf16_autocast(llm):
+    """cfg.cpu_bf16 trains under bf16 autocast: the recomputed layers run under it too (same values, same
+    gradients as the pass that keeps its activations), and the LoRA factors stay fp32."""
+    tr = llm.learner.trainer
+    rendered = [render(llm.tokenizer, c) for c in CONVS]
+    lora = lora_on_everything(tr.model)
+    results = {}
+    for checkpoint_tokens in (-1, 0):
+        zero_grads(lora)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            chosen = tr._token_logprobs(rendered, lora, LearnConfig(checkpoint_tokens=checkpoint_tokens, logits_chunk=7))[0]
+        chosen.sum().backward()
+        results[checkpoint_tokens] = chosen.detach(), grads(lora)
+    torch.testing.assert_close(results[0][0], results[-1][0], rtol=1e-6, atol=1e-6)
+    assert_grads_close(results[0][1], results[-1][1], rtol=1e-5)
+    assert all(a.grad.dtype == b.grad.dtype == torch.float32 for a, b in lora.params.values())
+    # and a whole job with cpu_bf16 (autocast where the CPU has bf16 instructions), checkpointed
+    cfg = LearnConfig(max_steps=2, min_steps=2, cpu_bf16=True, checkpoint_tokens=0).validate()
+    start = AdapterWeights.init(LoraConfig().validate(), tr.model.config.projection_shapes(), tr.model.config.num_layers)
+    result = tr.train(start, None, tr.build_items([{"messages": CONVS[0]}], [], "sft", cfg), cfg)
+    assert result.steps == 2 and all(b.any() for _, b in result.weights.tensors.values())
+
+
+def test_checkpointed_training_trains_the_same_weights(llm):
+    """Two steps of train() (SFT, DPO, anchors, protected subspaces) with every pass checkpointed and the logits
+    in chunks of 5 rows end at the weights of two plain steps; so does unlearn."""
+    tr = llm.learner.trainer
+    model = tr.model
+    examples = [{"messages": CONVS[0], "rejected": "blorp"}, {"messages": CONVS[1]}]
+
+    def distance(got, want, start) -> float:
+        """|got - want| / |want - start| over all factors. Not entry by entry: Adam divides by each gradient's
+        own size, so an entry whose gradient is ~1e-9 moves by ~lr whatever the rounding."""
+        num = sum(float((g - w).square().sum()) for k in want.tensors for g, w in zip(got.tensors[k], want.tensors[k]))
+        den = sum(float((w - s).square().sum()) for k in want.tensors for w, s in zip(want.tensors[k], start.tensors[k]))
+        return (num / den) ** 0.5
+
+    for kind in ("sft", "unlearn"):
+        results = {}
+        for checkpoint_tokens, chunk in ((-1, 1024), (-1, 5), (0, 5)):
+            cfg = LearnConfig(max_steps=2, min_steps=2, checkpoint_tokens=checkpoint_tokens, logits_chunk=chunk).validate()
+            items = tr.build_items(examples, [], kind, cfg)
+            start = AdapterWeights.init(LoraConfig().validate(), model.config.projection_shapes(), model.config.num_layers)
+            results[checkpoint_tokens, chunk] = tr.train(start, None, items, cfg)
+        plain, chunked, remat = results[-1, 1024], results[-1, 5], results[0, 5]
+        assert plain.steps == remat.steps == 2
+        assert remat.losses == pytest.approx(plain.losses, rel=1e-5, abs=1e-6)
+        assert distance(remat.weights, chunked.weights, start) < 1e-6, kind  # recomputing changes no arithmetic
+        assert distance(remat.weights, plain.weights, start) < 1e-4, kind    # logsumexp in chunks: rounding only
+
+
+def test_checkpoint_settings_are_validated():
+    assert LearnConfig(checkpoint_tokens=-1).validate().checkpoint_tokens == -1
+    with pytest.raises(InvalidRequestError, match="checkpoint_tokens"):
+        LearnConfig(checkpoint_tokens=-2).validate()
+    with pytest.raises(InvalidRequestError, match="checkpoint_tokens"):
+        LearnConfig(checkpoint_tokens=1.5).validate()
+    with pytest.raises(InvalidRequestError, match="logits_chunk"):
+        LearnConfig(logits_chunk=0).validate()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lora_in_the_activations_precision(dtype):
+    """On bf16/fp16 activations TrainLoRA computes in their precision: the fp32 math within that precision's
+    tolerance, master factors and their gradients fp32, and no fp32 copy of the input kept for backward."""
+    gen = torch.Generator().manual_seed(0)
+    tokens, fan_in, fan_out, r = 32, 96, 48, 8
+    a = (torch.randn(r, fan_in, generator=gen) * 0.1).requires_grad_(True)
+    b = (torch.randn(fan_out, r, generator=gen) * 0.1).requires_grad_(True)
+    lora = TrainLoRA({(0, "down_proj"): (a, b)}, 2.0)
+    x = torch.randn(tokens, fan_in, generator=gen).to(dtype)
+    y = torch.randn(tokens, fan_out, generator=gen).to(dtype)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = lora.apply(0, "down_proj", x, y)
+    assert out.dtype == dtype
+    assert not [t for t in saved if t.dtype == torch.float32 and t.numel() >= x.numel()], "an fp32 copy of x is kept"
+    out.float().square().sum().backward()
+    assert a.dtype == b.dtype == a.grad.dtype == b.grad.dtype == torch.float32
+    got = a.grad.clone(), b.grad.clone()
+    a.grad = b.grad = None
+    want = y.float() + (x.float() @ a.t()) @ b.t() * 2.0
+    torch.testing.assert_close(out.float(), want.detach(), rtol=2e-2, atol=2e-2)
+    want.square().sum().backward()
+    for g, w in zip(got, (a.grad, b.grad)):
+        assert (g - w).norm() <= 2e-2 * w.norm()
+    # fp32 activations (the CPU's): the fp32 math, as before
+    x32, y32 = x.float(), y.float()
+    torch.testing.assert_close(lora.apply(0, "down_proj", x32, y32), y32 + (x32 @ a.t()) @ b.t() * 2.0)
+
+
+def test_checkpointing_keeps_far_fewer_bytes_for_backward(llm):
+    """The bytes autograd keeps for one training forward of the trainer (activations, logits) drop several
+    times with checkpointing: only each layer's input and each logits chunk's hidden rows stay."""
+    tr = llm.learner.trainer
+    model = tr.model
+    lora = lora_on_everything(model)
+    rendered = [render(llm.tokenizer, c) for c in CONVS]
+    exclude = list(model.parameters()) + [t for ab in lora.params.values() for t in ab]
+
+    def forward(cfg):
+        return lambda: tr._token_logprobs(rendered, lora, cfg)[0].sum()
+
+    plain = kept_bytes(forward(LearnConfig(checkpoint_tokens=-1)), exclude)
+    remat = kept_bytes(forward(LearnConfig(checkpoint_tokens=0)), exclude)
+    # the hidden states alone (no logits), with and without layer checkpointing
+    ids = torch.arange(64)
+    layers = {c: kept_bytes(lambda: model.hidden_states(ids, ids, SharedPrefixAttention(0, 1, 64, torch.device("cpu")),
+                                                        lora, checkpoint=c).sum(), exclude) for c in (False, True)}
+    print(f"kept for backward: trainer pass {plain} -> {remat} bytes; layers of 64 tokens {layers[False]} -> {layers[True]}")
+    assert remat * 4 < plain
+    assert layers[True] * 2 < layers[False]
