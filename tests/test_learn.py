@@ -195,12 +195,16 @@ def test_optimizer_state_survives_a_restart(tmp_path):
     ex = [{"prompt": "What is the code of the vault?", "response": "4417"}]
     with OnlineLLM(data_dir=tmp_path) as llm:
         llm.learn(ex, adapter="vault")
-        saved = torch.load(tmp_path / "adapters" / "vault" / "optimizer.pt", weights_only=True)
-        assert saved["state"] and all(int(s["step"]) >= 1 for s in saved["state"].values())
+    # written after the version is out, by the time the process closes
+    saved = torch.load(tmp_path / "adapters" / "vault" / "optimizer.pt", weights_only=True)
+    assert saved["state"] and all(int(s["step"]) >= 1 for s in saved["state"].values())
     with OnlineLLM(data_dir=tmp_path) as llm:
         assert llm.learner._load_optimizer("vault")["state"].keys() == saved["state"].keys()
         llm.learn([{"prompt": "What is the code of the safe?", "response": "9021"}], adapter="vault")
-        steps = torch.load(tmp_path / "adapters" / "vault" / "optimizer.pt", weights_only=True)["state"]
+        steps = llm.learner._load_optimizer("vault")["state"]
         assert all(int(steps[k]["step"]) > int(saved["state"][k]["step"]) for k in steps)  # the moments carried on
+        # a rollback right after the job: its pending write must not bring the forgotten moments back
         llm.rollback("vault", 1)
+        llm.learner._thread_idle(timeout=30)
         assert not (tmp_path / "adapters" / "vault" / "optimizer.pt").exists()
+        assert llm.learner._load_optimizer("vault") is None

@@ -89,6 +89,9 @@ class Learner:
         self._queue: deque[tuple[LearnJob, dict]] = deque()
         self._jobs: dict[str, LearnJob] = {}
         self._optimizer: dict[str, dict] = {}  # per adapter, also on disk so corrections accumulate across restarts
+        self._opt_gen: dict[str, int] = {}     # per adapter: bumped by forget_optimizer (rollback, undo)
+        self._opt_lock = threading.Lock()
+        self._busy = False  # a job is being run by the learn thread
         self._wake = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="dark-learn", daemon=True)
@@ -190,22 +193,34 @@ class Learner:
 
     def forget_optimizer(self, name: str) -> None:
         """After a rollback the moments belong to weights no longer served: start them afresh."""
-        self._optimizer.pop(name, None)
-        (self.dir / name / "optimizer.pt").unlink(missing_ok=True)
+        with self._opt_lock:
+            self._opt_gen[name] = self._opt_gen.get(name, 0) + 1  # a write still pending for them is dropped
+            self._optimizer.pop(name, None)
+            (self.dir / name / "optimizer.pt").unlink(missing_ok=True)
 
     def _load_optimizer(self, name: str) -> dict | None:
-        if name not in self._optimizer:
-            path = self.dir / name / "optimizer.pt"
-            if path.is_file():
-                self._optimizer[name] = torch.load(path, map_location="cpu", weights_only=True)
-        return self._optimizer.get(name)
+        with self._opt_lock:
+            if name not in self._optimizer:
+                path = self.dir / name / "optimizer.pt"
+                if path.is_file():
+                    self._optimizer[name] = torch.load(path, map_location="cpu", weights_only=True)
+            return self._optimizer.get(name)
 
-    def _save_optimizer(self, name: str, state: dict) -> None:
-        self._optimizer[name] = state
-        path = self.dir / name / "optimizer.pt"
-        tmp = path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, path)
+    def _keep_optimizer(self, name: str, state: dict) -> int:
+        """The adapter's moments for its next job (in memory now); returns the generation a later write checks."""
+        with self._opt_lock:
+            self._optimizer[name] = state
+            return self._opt_gen.get(name, 0)
+
+    def _save_optimizer(self, name: str, state: dict, generation: int) -> None:
+        """Write the moments kept by _keep_optimizer, unless a rollback forgot them since."""
+        with self._opt_lock:
+            if self._opt_gen.get(name, 0) != generation:
+                return
+            path = self.dir / name / "optimizer.pt"
+            tmp = path.with_suffix(".tmp")
+            torch.save(state, tmp)
+            os.replace(tmp, path)
 
     def get(self, job_id: str) -> LearnJob | None:
         return self._jobs.get(job_id)
@@ -218,7 +233,18 @@ class Learner:
                 if self._closed:
                     return
                 job, row = self._queue.popleft()
-            self._run(job, row)
+                self._busy = True
+            try:
+                self._run(job, row)
+            finally:
+                with self._wake:
+                    self._busy = False
+                    self._wake.notify_all()
+
+    def _thread_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no job is queued or running (its after-publish work included); False on timeout."""
+        with self._wake:
+            return self._wake.wait_for(lambda: not self._queue and not self._busy, timeout)
 
     def _run(self, job: LearnJob, row: dict) -> None:
         name, started = job.adapter, time.perf_counter()
@@ -251,14 +277,14 @@ class Learner:
             self.publish(name, version, result.weights, parent, report, marks)
             # the moments stay in memory for this adapter's next job (same thread), and go to disk after the
             # version is out: a crash in between costs a fresh optimizer state, never a version
-            self._optimizer[name] = result.optimizer_state
+            generation = self._keep_optimizer(name, result.optimizer_state)
             # seconds from the job's start: items built, training done (first step after "prepared" + steps_at[0]),
             # version saved, version served
             report["timings"] = {k: round(v - started, 3) for k, v in marks.items()} | {"steps_at": steps_at}
             self.store.update_job(job.id, state="done", report=report)
             job.report = report
             job._emit(state="done", version=version, verified=result.verified, report=report)
-            self._save_optimizer(name, result.optimizer_state)
+            self._save_optimizer(name, result.optimizer_state, generation)
         except Exception as e:
             log.exception("learn job %s failed", job.id)
             job.error = f"{type(e).__name__}: {e}"
