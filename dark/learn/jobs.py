@@ -280,7 +280,8 @@ class Learner:
             generation = self._keep_optimizer(name, result.optimizer_state)
             # seconds from the job's start: items built, training done (first step after "prepared" + steps_at[0]),
             # version saved, version served
-            report["timings"] = {k: round(v - started, 3) for k, v in marks.items()} | {"steps_at": steps_at}
+            report["timings"] = {k: round(v - started, 3) for k, v in marks.items()} | {"steps_at": steps_at} | \
+                {f"train_{k}": v for k, v in result.timings.items()}
             self.store.update_job(job.id, state="done", report=report)
             job.report = report
             job._emit(state="done", version=version, verified=result.verified, report=report)

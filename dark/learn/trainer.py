@@ -98,6 +98,57 @@ class TrainResult:
     verified: bool = False
     seconds: float = 0.0
     anchors_kept: bool = True
+    timings: dict = field(default_factory=dict)  # seconds: setup (to the first step), steps, to_host
+
+
+def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """fp32 copies of host tensors on the device in one transfer (a few hundred small copies each wait for the
+    device otherwise); each result owns its storage."""
+    if device.type == "cpu":
+        return [t.float().clone() for t in tensors]
+    flat = torch.cat([t.reshape(-1).float() for t in tensors]).pin_memory().to(device, non_blocking=True)
+    out, i = [], 0
+    for t in tensors:
+        out.append(flat[i:i + t.numel()].view(t.shape).clone())
+        i += t.numel()
+    return out
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Host copies of same-dtype device tensors in one transfer; each result owns its storage."""
+    if not tensors or tensors[0].device.type == "cpu":
+        return [t.clone() for t in tensors]
+    flat = torch.cat([t.reshape(-1) for t in tensors]).cpu()
+    out, i = [], 0
+    for t in tensors:
+        out.append(flat[i:i + t.numel()].view(t.shape).clone())
+        i += t.numel()
+    return out
+
+
+def _state_tensors(state: dict) -> list[tuple[object, str]]:
+    """(param id, name) of every fp32 moment tensor of an optimizer state (the step counters stay where they are)."""
+    return [(k, n) for k, s in state.items() for n, v in s.items()
+            if torch.is_tensor(v) and v.dim() > 0 and v.dtype == torch.float32]
+
+
+def _state_to_device(optimizer_state: dict, device: torch.device) -> dict:
+    where = _state_tensors(optimizer_state["state"])
+    moved = to_device([optimizer_state["state"][k][n] for k, n in where], device)
+    state = {k: dict(s) for k, s in optimizer_state["state"].items()}
+    for (k, n), t in zip(where, moved):
+        state[k][n] = t
+    return {**optimizer_state, "state": state}
+
+
+def _state_to_host(state: dict) -> dict:
+    where = _state_tensors(state)
+    host = to_host([state[k][n] for k, n in where])
+    out = {k: {n: v.cpu() if torch.is_tensor(v) else v for n, v in s.items() if not torch.is_tensor(v) or v.dim() == 0
+               or v.dtype != torch.float32} for k, s in state.items()}
+    for (k, n), t in zip(where, host):
+        out[k][n] = t
+    return out
 
 
 class Trainer:
@@ -255,13 +306,15 @@ class Trainer:
         return result
 
     def _train(self, weights, optimizer_state, items, cfg, on_step, low_precision: bool) -> TrainResult:
+        marks = {"start": time.perf_counter()}
         keys = sorted(weights.tensors)
-        params = {k: tuple(t.to(self.device, torch.float32).clone().requires_grad_(True) for t in weights.tensors[k]) for k in keys}
+        moved = iter(to_device([t for k in keys for t in weights.tensors[k]], self.device))
+        params = {k: tuple(next(moved).requires_grad_(True) for _ in weights.tensors[k]) for k in keys}
         flat = [p for k in keys for p in params[k]]
         opt = torch.optim.AdamW(flat, lr=cfg.lr, weight_decay=cfg.weight_decay)
         if optimizer_state:
             try:
-                opt.load_state_dict(optimizer_state)
+                opt.load_state_dict(_state_to_device(optimizer_state, self.device))
                 for g in opt.param_groups:
                     g["lr"] = cfg.lr
             except (ValueError, KeyError):
@@ -270,8 +323,9 @@ class Trainer:
         protector = self.protector(cfg.protect_energy)
         if protector is not None:
             with torch.no_grad():
-                for k, (a, b) in params.items():
-                    if not b.any():  # A can turn freely while B is zero: it changes no output yet
+                zero_b = torch.stack([b.abs().amax() == 0 for _, b in params.values()]).tolist()  # one sync
+                for (k, (a, _)), zero in zip(params.items(), zero_b):
+                    if zero:  # A can turn freely while B is zero: it changes no output yet
                         a.copy_(protector.project(k, a))
             start = {k: a.detach().clone() for k, (a, _) in params.items()}
         anchors = self.anchors(cfg.anchor_prompts) if cfg.kl_weight > 0 else []
@@ -280,6 +334,7 @@ class Trainer:
         sft = [i for i in items if i.kind == "sft"]
         prefs = [i for i in items if i.kind in ("dpo", "unlearn")]
         threshold = -math.log(cfg.verify_min_prob)
+        marks["prepared"] = time.perf_counter()
         losses, verified, kept, step = [], False, True, 0
         rng = random.Random(0)
         while True:
@@ -310,11 +365,16 @@ class Trainer:
             losses.append(round(loss_total.item(), 5))
             if on_step:
                 on_step(step, losses[-1])
-        out = AdapterWeights(weights.config, {k: (a.detach().float().cpu(), b.detach().float().cpu()) for k, (a, b) in params.items()},
-                             weights.scaling)
+        marks["trained"] = time.perf_counter()
+        host = iter(to_host([t.detach().float() for k in keys for t in params[k]]))
+        out = AdapterWeights(weights.config, {k: (next(host), next(host)) for k in keys}, weights.scaling)
         state = opt.state_dict()  # kept in host memory between jobs: device memory is for serving
-        state["state"] = {k: {n: v.cpu() if torch.is_tensor(v) else v for n, v in s.items()} for k, s in state["state"].items()}
-        return TrainResult(out, state, step, losses, verified, anchors_kept=kept)
+        state["state"] = _state_to_host(state["state"])
+        marks["copied"] = time.perf_counter()
+        timings = {"setup": marks["prepared"] - marks["start"], "steps": marks["trained"] - marks["prepared"],
+                   "to_host": marks["copied"] - marks["trained"]}
+        return TrainResult(out, state, step, losses, verified, anchors_kept=kept,
+                           timings={k: round(v, 3) for k, v in timings.items()})
 
     def _confirm(self, batch: list[Item], anchors: list[Item], lora, threshold: float) -> tuple[bool, bool]:
         with torch.no_grad(), torch.autocast("cpu", enabled=False):
