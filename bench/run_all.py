@@ -329,6 +329,18 @@ def memory(run: Run, llm) -> None:
                                           "weights": gib(weights), **mem(run.device)}
 
 
+def no_checkpoint(run: Run, llm) -> None:
+    """After the memory line: the same training without layer checkpointing (checkpoint_tokens=-1), its rate and
+    what it adds to device memory: the other side of the memory / speed trade."""
+    a, dev = run.args, run.device
+    sub = {"train": []}
+    args = SimpleNamespace(train_batch=a.train_batch, seq_len=a.seq_len, label_tokens=a.label_tokens,
+                           warmup=a.warmup, steps=a.steps)
+    rate = bench_dark_train(llm, args, dev, sub, run.save, "dark, no checkpointing", kl_weight=0.0, checkpoint_tokens=-1)
+    run.fig("train_tok_s_no_checkpoint", rate)
+    run.report["details"]["train_no_checkpoint"] = sub["train"]
+
+
 def met(key: str, value) -> str:
     if key not in TARGETS or value is None:
         return ""
@@ -345,6 +357,7 @@ def table(report: dict) -> str:
         ("64 seqs, 32 adapters: step time without / with", "multi_adapter_ratio", None, ">= 0.90"),
         ("offline 256 requests (output tok/s)", "offline_tok_s", "hf_offline_tok_s", ">= 12000"),
         ("LoRA training, packed 2k (tok/s)", "train_tok_s", "hf_train_tok_s", ">= 14000"),
+        ("  the same without layer checkpointing (tok/s)", "train_tok_s_no_checkpoint", None, ""),
         ("512-token correction -> published (s)", "correction_to_publish_s", None, "<= 1"),
         ("decode p99 during training / solo", "decode_p99_ratio_during_training", None, "<= 1.3"),
         ("training rate during decode / solo", "train_ratio_during_decode", None, ">= 0.70"),
@@ -429,6 +442,7 @@ def main() -> None:
         try:
             dark_parts(run, llm)
             memory(run, llm)
+            run.part("train_no_checkpoint", lambda: no_checkpoint(run, llm))
         finally:
             llm.close()
     except Exception:
