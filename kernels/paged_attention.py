@@ -133,8 +133,11 @@ if triton is not None:
 
 
 def default_splits(batch: int, kv_heads: int, num_sms: int = 132) -> int:
-    """Enough context ranges to give every multiprocessor a program or two, at most 16."""
-    return max(1, min(16, (2 * num_sms) // max(1, batch * kv_heads)))
+    """Enough context ranges to give every multiprocessor a program or two, at most 16: a power of two, so the
+    few compiled variants of the kernels serve every batch size (a new value compiles both kernels again,
+    which a step of a batch size no CUDA graph bucket had would pay for in the middle of serving)."""
+    n = max(1, min(16, (2 * num_sms) // max(1, batch * kv_heads)))
+    return 1 << (n.bit_length() - 1)
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping):

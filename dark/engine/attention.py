@@ -83,8 +83,9 @@ class PagedAttention:
             if ctx == n:
                 oc = F.scaled_dot_product_attention(qc, keys, values, is_causal=True, enable_gqa=gqa)
             else:
-                oc = F.scaled_dot_product_attention(qc, keys, values, attn_mask=causal_lower_right(n, ctx),
-                                                    enable_gqa=gqa)
+                if gqa:  # the bottom-right bias reaches the fused kernels by their plain signature: one head each
+                    keys, values = (t.repeat_interleave(q.shape[1] // heads, dim=1) for t in (keys, values))
+                oc = F.scaled_dot_product_attention(qc, keys, values, attn_mask=causal_lower_right(n, ctx))
             out[first:first + n] = oc[0].transpose(0, 1)
         return out
 
