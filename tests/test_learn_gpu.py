@@ -35,16 +35,19 @@ def test_learn_while_serving_on_cuda(tiny_models, tmp_path, dtype):
 
 def test_batched_transfers_round_trip_on_cuda():
     """The trainer's one-transfer moves (factors and optimizer moments) give back exactly what went in."""
-    from dark.learn.trainer import _state_to_device, _state_to_host, to_device, to_host
+    from dark.learn.trainer import Staging, _state_to_device, _state_to_host, to_device, to_host
 
     dev = torch.device("cuda")
+    staging = Staging()
     host = [torch.randn(16, 40), torch.randn(72, 16), torch.randn(3)]
-    moved = to_device(host, dev)
+    moved = to_device(host, dev, staging)
     assert all(m.device.type == "cuda" and m.shape == h.shape and torch.equal(m.cpu(), h) for m, h in zip(moved, host))
     moved[0].add_(1)  # each result owns its storage
     assert torch.equal(moved[1].cpu(), host[1])
-    back = to_host(moved)
+    back = to_host(moved, staging)
     assert torch.equal(back[0], host[0] + 1) and torch.equal(back[2], host[2])
+    again = to_device(host, dev, staging)  # the staging buffer reused: the earlier results own their storage
+    assert torch.equal(back[0], host[0] + 1) and torch.equal(again[1].cpu(), host[1])
     state = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(16, 40), "exp_avg_sq": torch.rand(16, 40)}},
              "param_groups": [{"lr": 1e-3, "params": [0]}]}
     on_dev = _state_to_device(state, dev)

@@ -101,27 +101,48 @@ class TrainResult:
     timings: dict = field(default_factory=dict)  # seconds: setup (to the first step), steps, to_host
 
 
-def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+class Staging:
+    """A pinned host buffer kept across jobs for the trainer's transfers: one copy each way at full bus speed
+    (a pageable copy of a few hundred MB runs at a few GB/s, and pinning a fresh buffer per job costs as much)."""
+
+    def __init__(self):
+        self.buf: torch.Tensor | None = None
+
+    def get(self, n: int) -> torch.Tensor:
+        if self.buf is None or self.buf.numel() < n:
+            self.buf = None
+            self.buf = torch.empty(n, dtype=torch.float32, pin_memory=True)
+        return self.buf[:n]
+
+
+def to_device(tensors: list[torch.Tensor], device: torch.device, staging: Staging | None = None) -> list[torch.Tensor]:
     """fp32 copies of host tensors on the device in one transfer (a few hundred small copies each wait for the
     device otherwise); each result owns its storage."""
     if device.type == "cpu":
         return [t.float().clone() for t in tensors]
-    flat = torch.cat([t.reshape(-1).float() for t in tensors]).pin_memory().to(device, non_blocking=True)
+    total = sum(t.numel() for t in tensors)
+    host = (staging or Staging()).get(total)
+    torch.cat([t.reshape(-1).float() for t in tensors], out=host)
+    flat = host.to(device, non_blocking=True)
     out, i = [], 0
     for t in tensors:
         out.append(flat[i:i + t.numel()].view(t.shape).clone())
         i += t.numel()
+    torch.cuda.current_stream(device).synchronize()  # the staging buffer may be refilled as soon as this returns
     return out
 
 
-def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Host copies of same-dtype device tensors in one transfer; each result owns its storage."""
+def to_host(tensors: list[torch.Tensor], staging: Staging | None = None) -> list[torch.Tensor]:
+    """Host fp32 copies of device tensors in one transfer; each result owns its storage."""
     if not tensors or tensors[0].device.type == "cpu":
-        return [t.clone() for t in tensors]
-    flat = torch.cat([t.reshape(-1) for t in tensors]).cpu()
+        return [t.float().clone() for t in tensors]
+    flat = torch.cat([t.reshape(-1).float() for t in tensors])
+    host = (staging or Staging()).get(flat.numel())
+    host.copy_(flat, non_blocking=True)
+    torch.cuda.current_stream(flat.device).synchronize()
     out, i = [], 0
     for t in tensors:
-        out.append(flat[i:i + t.numel()].view(t.shape).clone())
+        out.append(host[i:i + t.numel()].view(t.shape).clone())
         i += t.numel()
     return out
 
@@ -132,18 +153,18 @@ def _state_tensors(state: dict) -> list[tuple[object, str]]:
             if torch.is_tensor(v) and v.dim() > 0 and v.dtype == torch.float32]
 
 
-def _state_to_device(optimizer_state: dict, device: torch.device) -> dict:
+def _state_to_device(optimizer_state: dict, device: torch.device, staging: Staging | None = None) -> dict:
     where = _state_tensors(optimizer_state["state"])
-    moved = to_device([optimizer_state["state"][k][n] for k, n in where], device)
+    moved = to_device([optimizer_state["state"][k][n] for k, n in where], device, staging)
     state = {k: dict(s) for k, s in optimizer_state["state"].items()}
     for (k, n), t in zip(where, moved):
         state[k][n] = t
     return {**optimizer_state, "state": state}
 
 
-def _state_to_host(state: dict) -> dict:
+def _state_to_host(state: dict, staging: Staging | None = None) -> dict:
     where = _state_tensors(state)
-    host = to_host([state[k][n] for k, n in where])
+    host = to_host([state[k][n] for k, n in where], staging)
     out = {k: {n: v.cpu() if torch.is_tensor(v) else v for n, v in s.items() if not torch.is_tensor(v) or v.dim() == 0
                or v.dtype != torch.float32} for k, s in state.items()}
     for (k, n), t in zip(where, host):
@@ -158,6 +179,7 @@ class Trainer:
         self._anchors: dict[str, Item] = {}  # per anchor prompt, with its adapter-free reference once computed
         self._protectors: dict[float, Protector] = {}  # per energy, fitted once on the frozen base
         self.stream = torch.cuda.Stream(device=device, priority=0) if device.type == "cuda" else None
+        self._staging = Staging()  # pinned host memory for moving factors and moments (CUDA)
 
     # --- batches ---
     def _forward(self, rendered: list[Rendered], lora, checkpoint_tokens: int = -1) -> tuple[torch.Tensor, int, int, bool]:
@@ -308,13 +330,13 @@ class Trainer:
     def _train(self, weights, optimizer_state, items, cfg, on_step, low_precision: bool) -> TrainResult:
         marks = {"start": time.perf_counter()}
         keys = sorted(weights.tensors)
-        moved = iter(to_device([t for k in keys for t in weights.tensors[k]], self.device))
+        moved = iter(to_device([t for k in keys for t in weights.tensors[k]], self.device, self._staging))
         params = {k: tuple(next(moved).requires_grad_(True) for _ in weights.tensors[k]) for k in keys}
         flat = [p for k in keys for p in params[k]]
         opt = torch.optim.AdamW(flat, lr=cfg.lr, weight_decay=cfg.weight_decay)
         if optimizer_state:
             try:
-                opt.load_state_dict(_state_to_device(optimizer_state, self.device))
+                opt.load_state_dict(_state_to_device(optimizer_state, self.device, self._staging))
                 for g in opt.param_groups:
                     g["lr"] = cfg.lr
             except (ValueError, KeyError):
@@ -366,10 +388,10 @@ class Trainer:
             if on_step:
                 on_step(step, losses[-1])
         marks["trained"] = time.perf_counter()
-        host = iter(to_host([t.detach().float() for k in keys for t in params[k]]))
+        host = iter(to_host([t.detach() for k in keys for t in params[k]], self._staging))
         out = AdapterWeights(weights.config, {k: (next(host), next(host)) for k in keys}, weights.scaling)
         state = opt.state_dict()  # kept in host memory between jobs: device memory is for serving
-        state["state"] = _state_to_host(state["state"])
+        state["state"] = _state_to_host(state["state"], self._staging)
         marks["copied"] = time.perf_counter()
         timings = {"setup": marks["prepared"] - marks["start"], "steps": marks["trained"] - marks["prepared"],
                    "to_host": marks["copied"] - marks["trained"]}
