@@ -4,19 +4,31 @@ A [slots, R, in] and B [slots, R, out] (B pre-scaled) are the engine's stacked f
 s_t, or none when s_t = -1. `lora_segments` runs once per forward: it sorts the slots (`torch.sort`), so each
 adapter's tokens sit side by side (a segment), and cuts every segment into blocks of up to BLOCK_T = 16
 tokens, one row of a small table each (the slot, then the block's token indices); -1 tokens get none. Only
-fixed-shape torch ops with no host sync: a CUDA graph captures it with the step. Both kernels run one program
+fixed-shape torch ops with no host sync: a CUDA graph captures it with the step. The kernels run one program
 row per table row (G rows, a bound on the blocks from T and the slot count; rows past the last block exit at
-once): a segment of 40 tokens is three blocks, a lone token a block of one. A batch of one needs no table.
+once): a segment of 40 tokens is three blocks, a lone token a block of one. A batch of one needs no table
+(its slot tensor is read as the one row).
 
-`lora_shrink` computes h[t] = A[s] @ x[t] in fp32 for a block's tokens with one `tl.dot` per K tile: the
-block's x rows are gathered by the table's token indices, the A tile is read once for the block (not once per
-token), and the work is split along `in` so a batch of one still spreads over the chip (each range writes its
-own partial sum at the token's own row of h: no atomics, no zero fill). `lora_expand` reads a B tile once per
-block, sums the partials of the block's codes, multiplies them by the tile (`tl.dot`) and adds the result into
-the tokens' rows of y in place; one program covers several column tiles when many blocks share the launch,
-so the codes are summed once for them. Two launches per projection, whatever the mix of adapters; inside a CUDA
-graph the slot tensor is the only input that changes. A step of 64 tokens over 32 adapters reads each
-adapter's factors about once, not 64 times; long prefills keep the dense torch math (dark.lora.slots).
+One launch per projection (`lora_fused`, the default): grid (G rows, column programs). Each program takes its
+row's slot and tokens, gathers their x rows and computes their codes h = x @ A[s]^T over the whole of `in`
+itself (BK-wide steps of `tl.dot`, fp32 accumulation, every member's A rows of a group at once), then, for its
+run of column tiles, multiplies h by the B tile and adds the result into the tokens' own rows of y in place.
+Nothing goes through memory between the two halves, and no atomics or zero fill. Every column program of a
+row repeats the row's shrink: A is small (q/k/v rank 16: 48 x 3584 bf16, 344 KB; down: 16 x 18944, 606 KB)
+and after the first program L2 serves it, so the repeats cost L2 reads, not HBM. How many column programs a
+row gets (`_fused_grid`) comes from a model of the launch's time in bytes one SM streams: the waves of programs
+times one program's bytes (its shrink, its tiles), or all the repeated shrinks' bytes over FUSED_L2_PROGRAMS
+SMs' worth of L2 bandwidth, whichever is longer: a lone block (batch of one) gets several programs, as its
+shrink is the critical path whatever their number, and rows sharing a launch get fewer each; the grid stays
+under a wave or two of the chip's SMs (H200, rank 16, bf16, G = 1 / 11 / 40: q/k/v 9 / 44 / 40 programs,
+o 14 / 55 / 80, gate/up 37 / 88 / 120, down 4 / 22 / 40).
+
+The shrink/expand pair stays as the fallback (DARK_LORA_FUSED=0, or lora_apply(fused=False)): `lora_shrink`
+computes the codes with the work split along `in` (each range writes its own fp32 partial at the token's own
+row of h), `lora_expand` sums the partials and adds h @ B into y, one program covering several column tiles
+when many blocks share the launch. Two launches per projection. Either way, inside a CUDA graph the slot
+tensor is the only input that changes, and a step of 64 tokens over 32 adapters reads each adapter's factors
+about once, not 64 times; long prefills keep the dense torch math (dark.lora.slots).
 
 The products stay fp32-exact: bf16 x and A go straight into the tensor cores with fp32 accumulation (their
 products are exact in fp32); the fp32 codes meet a bf16/fp16 B as two half-precision parts (hi + lo), so the
@@ -25,13 +37,14 @@ the dots upcast to fp32.
 
 Groups: projections that share their input (q/k/v, gate/up) run as one GEMM whose output is their outputs
 side by side. Their factors are stacked the same way: A [slots, members * stride, in] (member m's rows start
-at m * stride) and B [slots, stride, out_0 + out_1 + ...] (member m's columns follow member m-1's). One shrink
-computes every member's code (one dot over all members' A rows), one expand adds each output column its own
-member's delta (the B tile holds, for each column, only its member's rows): two launches for the group
-instead of two per member, and nothing stored for pairs of members that do not meet.
+at m * stride) and B [slots, stride, out_0 + out_1 + ...] (member m's columns follow member m-1's). The
+shrink computes every member's code (one dot over all members' A rows), the expand adds each output column
+its own member's delta (the B tile holds, for each column, only its member's rows): one launch for the group
+(two unfused) instead of one per member, and nothing stored for pairs of members that do not meet.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -175,6 +188,58 @@ if triton is not None:
                 tl.store(yp, (y + d).to(y_ptr.dtype.element_ty), mask=ym)
 
 
+    @triton.jit
+    def _fused_kernel(x_ptr, a_ptr, b_ptr, table_ptr, y_ptr, N, N1, N2, stride_xt, stride_as, stride_ar,
+                      stride_bs, stride_br, stride_yt, K: tl.constexpr, R: tl.constexpr, BR: tl.constexpr,
+                      MB: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, TILES: tl.constexpr,
+                      MEMBERS: tl.constexpr, STRIDE: tl.constexpr, BT: tl.constexpr, SORTED: tl.constexpr,
+                      UPCAST: tl.constexpr):
+        """Shrink then expand in one program: the block's codes over the whole of K (no partials in memory),
+        then TILES column tiles from column tile nb * TILES on. K and TILES are constants: fixed trip counts
+        (and no K mask when BK divides K)."""
+        nb = tl.program_id(1)
+        s, owns, tok, pm = _block(table_ptr, BT, SORTED)
+        if owns:
+            c = tl.arange(0, MB)  # code column: member c // BR, rank row c % BR
+            m = c // BR
+            r = c % BR
+            cm = (m < MEMBERS) & (r < R)
+            arow = (m * STRIDE + r).to(tl.int64)
+            h = tl.zeros([BT, MB], tl.float32)
+            for k0 in range(0, K, BK):  # every member's A rows, read once per block (from L2 after the first)
+                kk = k0 + tl.arange(0, BK)
+                km = kk < K
+                x = tl.load(x_ptr + tok[:, None] * stride_xt + kk[None, :], mask=pm[:, None] & km[None, :],
+                            other=0.0)
+                a = tl.load(a_ptr + s * stride_as + arow[None, :] * stride_ar + kk[:, None],
+                            mask=cm[None, :] & km[:, None], other=0.0)  # [BK, MB]
+                if UPCAST or x.dtype == tl.float32:
+                    h = tl.dot(x.to(tl.float32), a.to(tl.float32), h, input_precision="ieee")
+                else:
+                    h = tl.dot(x, a.to(x.dtype), h)
+            if UPCAST or b_ptr.dtype.element_ty == tl.float32:
+                hi = h
+                lo = h
+            else:  # fp32 codes as hi + lo halves: the tensor cores, with the code not rounded to bf16
+                hi = h.to(b_ptr.dtype.element_ty)
+                lo = (h - hi.to(tl.float32)).to(b_ptr.dtype.element_ty)
+            for t in range(TILES):
+                n = (nb * TILES + t) * BN + tl.arange(0, BN)
+                nm = n < N
+                member = (n >= N1).to(tl.int32) + (n >= N2).to(tl.int32)  # which member's output each column is
+                # row c of the tile is B's rank row c % BR, kept only in the columns of member c // BR
+                b = tl.load(b_ptr + s * stride_bs + r[:, None] * stride_br + n[None, :],
+                            mask=(r < R)[:, None] & (m[:, None] == member[None, :]) & nm[None, :], other=0.0)
+                if UPCAST or b_ptr.dtype.element_ty == tl.float32:
+                    d = tl.dot(h, b.to(tl.float32), input_precision="ieee")
+                else:
+                    d = tl.dot(lo, b, tl.dot(hi, b))
+                yp = y_ptr + tok[:, None] * stride_yt + n[None, :]
+                ym = pm[:, None] & nm[None, :]
+                y = tl.load(yp, mask=ym, other=0.0).to(tl.float32)
+                tl.store(yp, (y + d).to(y_ptr.dtype.element_ty), mask=ym)
+
+
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -244,11 +309,88 @@ def lora_expand(h, B, token_slots, y, rank: int, block_n: int = 256, splits=None
     return y
 
 
-def lora_apply(x, y, A, B, token_slots, rank: int, splits=None, stride: int = 0, segments=None):
-    """y += each token's LoRA delta (in place): shrink then expand (a group when splits names its members).
-    segments: lora_segments(token_slots), computed once per forward by the caller; made here when None."""
+# the fused kernel (one launch per projection) unless DARK_LORA_FUSED=0: the shrink/expand pair stays as the fallback
+FUSED = os.environ.get("DARK_LORA_FUSED", "1") != "0"
+# the fused kernel's tiling (_fused_grid): SMs of the chip when it cannot be asked (the CPU interpreter; H200: 132),
+# how many programs streaming A at once fill L2's bandwidth (the repeated shrinks' cost), and the bytes of the A tile
+# of one K step (bf16: BK = 512 for one member, 256 for gate/up, 128 for q/k/v)
+FUSED_SMS = 132
+FUSED_L2_PROGRAMS = 48
+FUSED_TILE = 16384
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return FUSED_SMS
+
+
+@functools.lru_cache(maxsize=4096)
+def _fused_grid(rows: int, per_row: int, K: int, N: int, block_n: int, rank: int, members: int, elt: int,
+                sms: int, l2_programs: int) -> tuple[int, int]:
+    """(programs per row, column tiles per program) for the fused kernel: the fewest programs within 5% of the best
+    of a model of its time, in bytes one SM streams: the waves of programs times one program's bytes (its shrink: A
+    and its tokens' x over all of K; its tiles: B rows and y columns), or the repeated shrinks' bytes over
+    l2_programs SMs' worth of L2 bandwidth, whichever is longer. Several programs for a lone block (its shrink is
+    the critical path and L2 serves it), few per row once many rows share the launch (each repeats the shrink)."""
+    n_tiles = triton.cdiv(N, block_n)
+    shrink = (members * rank + per_row) * K * elt
+    per_tile = block_n * (rank + 2 * per_row) * elt
+    costs = {}
+    for tiles in range(1, n_tiles + 1):
+        p = triton.cdiv(n_tiles, tiles)
+        if p in costs:
+            continue
+        costs[p] = (max(triton.cdiv(rows * p, sms) * (shrink + tiles * per_tile), rows * p * shrink / l2_programs),
+                    tiles)
+    best = min(cost for cost, _ in costs.values())
+    p = min(p for p, (cost, _) in costs.items() if cost <= 1.05 * best)
+    return p, costs[p][1]
+
+
+def lora_fused(x, y, A, B, token_slots, rank: int, splits=None, stride: int = 0, segments=None,
+               block_n: int = 256, block_k: int | None = None, tiles: int | None = None):
+    """y += each token's LoRA delta (in place) in ONE launch: grid (table rows, column programs), each program
+    computing its block's codes over all of K and adding them times B into its column tiles. block_n / block_k /
+    tiles (column tiles of one program): None or the default for the model's choice; set by tests."""
+    T, K = x.shape
+    N = y.shape[1]
     members = len(splits) if splits else 1
+    splits = splits or [N]
+    assert x.stride(1) == 1 and A.stride(2) == 1 and B.stride(2) == 1 and y.stride(1) == 1
+    assert len(splits) == members <= 3 and sum(splits) == N
+    if T == 0:
+        return y
+    table, rows, is_sorted = _table(token_slots, segments)
+    bounds = [sum(splits[:i + 1]) for i in range(members - 1)] + [N, N]
+    br = max(16, triton.next_power_of_2(rank))
+    mb = triton.next_power_of_2(members) * br
+    block_n = max(16, min(block_n, triton.next_power_of_2(N), max(64, 32768 // (mb * x.element_size()))))
+    if block_k is None:
+        block_k = max(32, FUSED_TILE // (mb * x.element_size()))
+    block_k = max(16, min(block_k, triton.next_power_of_2(K)))
+    n_tiles = triton.cdiv(N, block_n)
+    if tiles is None:
+        per_row = min(BLOCK_T, triton.cdiv(T, rows))
+        _, tiles = _fused_grid(rows, per_row, K, N, block_n, rank, members, x.element_size(), _sm_count(x.device),
+                               FUSED_L2_PROGRAMS)
+    tiles = max(1, min(tiles, n_tiles))
+    _fused_kernel[(rows, triton.cdiv(n_tiles, tiles))](
+        x, A, B, table, y, N, bounds[0], bounds[1], x.stride(0), A.stride(0), A.stride(1), B.stride(0), B.stride(1),
+        y.stride(0), K=K, R=rank, BR=br, MB=mb, BK=block_k, BN=block_n, TILES=tiles, MEMBERS=members, STRIDE=stride,
+        BT=BLOCK_T, SORTED=is_sorted, UPCAST=_interpreted())
+    return y
+
+
+def lora_apply(x, y, A, B, token_slots, rank: int, splits=None, stride: int = 0, segments=None, fused=None):
+    """y += each token's LoRA delta (in place); a group when splits names its members. segments:
+    lora_segments(token_slots), computed once per forward by the caller; made here when None. fused: one launch
+    (lora_fused) or shrink then expand; None: the module's FUSED (DARK_LORA_FUSED)."""
     if segments is None:
         segments = lora_segments(token_slots)
+    if FUSED if fused is None else fused:
+        return lora_fused(x, y, A, B, token_slots, rank, splits=splits, stride=stride, segments=segments)
+    members = len(splits) if splits else 1
     h = lora_shrink(x, A, token_slots, rank, members=members, stride=stride, segments=segments)
     return lora_expand(h, B, token_slots, y, rank, splits=splits, segments=segments)

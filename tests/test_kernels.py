@@ -75,7 +75,8 @@ def test_store_kv_writes_its_slots_and_skips_minus_one():
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("tokens,fan_in,fan_out,rank,max_rank", [(1, 48, 80, 8, 8), (7, 300, 96, 4, 16),
                                                                    (5, 1100, 40, 16, 16)])
-def test_lora_matches_reference(dtype, tol, tokens, fan_in, fan_out, rank, max_rank):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_kernels"])
+def test_lora_matches_reference(dtype, tol, tokens, fan_in, fan_out, rank, max_rank, fused):
     g = torch.Generator().manual_seed(tokens * 7 + fan_in)
     slots_n = 3
     A = torch.zeros(slots_n, max_rank, fan_in)
@@ -88,7 +89,7 @@ def test_lora_matches_reference(dtype, tol, tokens, fan_in, fan_out, rank, max_r
     token_slots = torch.randint(-1, slots_n, (tokens,), generator=g)
     token_slots[0] = 1
     ref = lora_reference(x.cpu(), y.cpu(), A.cpu(), B.cpu(), token_slots, rank)
-    out = lora_apply(x, y.clone(), A, B, token_slots.to(DEV), rank)
+    out = lora_apply(x, y.clone(), A, B, token_slots.to(DEV), rank, fused=fused)
     for t in range(tokens):
         if token_slots[t] < 0:
             assert torch.equal(out[t].cpu(), y[t].cpu()), "a token without an adapter must be left alone"
@@ -100,8 +101,10 @@ def test_lora_matches_reference(dtype, tol, tokens, fan_in, fan_out, rank, max_r
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("tokens,fan_in,splits,rank,max_rank", [(1, 48, [40, 8, 8], 8, 8), (6, 300, [64, 16, 16], 4, 16),
                                                                   (3, 700, [96, 96], 16, 16)])
-def test_grouped_lora_matches_reference(dtype, tol, tokens, fan_in, splits, rank, max_rank):
-    """q/k/v or gate/up as one group: stacked A rows, side-by-side B columns, one shrink and one expand."""
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_kernels"])
+def test_grouped_lora_matches_reference(dtype, tol, tokens, fan_in, splits, rank, max_rank, fused):
+    """q/k/v or gate/up as one group: stacked A rows, side-by-side B columns, one launch (fused) or one shrink and
+    one expand."""
     g = torch.Generator().manual_seed(tokens + fan_in)
     slots_n, members = 3, len(splits)
     A = torch.zeros(slots_n, members * max_rank, fan_in)
@@ -115,7 +118,7 @@ def test_grouped_lora_matches_reference(dtype, tol, tokens, fan_in, splits, rank
     token_slots = torch.randint(-1, slots_n, (tokens,), generator=g)
     token_slots[0] = 2
     ref = lora_reference(x.cpu(), y.cpu(), A.cpu(), B.cpu(), token_slots, rank, splits=splits, stride=max_rank)
-    out = lora_apply(x, y.clone(), A, B, token_slots.to(DEV), rank, splits=splits, stride=max_rank)
+    out = lora_apply(x, y.clone(), A, B, token_slots.to(DEV), rank, splits=splits, stride=max_rank, fused=fused)
     assert rel_err(out.cpu(), ref) < tol
     delta_out, delta_ref = out.cpu().double() - y.cpu().double(), ref.double() - y.cpu().double()
     assert (delta_out - delta_ref).norm() <= 2e-2 * delta_ref.norm() + 1e-6
@@ -154,9 +157,11 @@ def _lora_case(token_slots, fan_in, splits, rank, max_rank, dtype, seed, slots_n
                                             (16, torch.bfloat16, 1e-2), (8, torch.float32, 1e-5)])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("mix", list(SLOT_MIXES))
-def test_lora_segments_match_reference(mix, layout, rank, dtype, tol):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_kernels"])
+def test_lora_segments_match_reference(fused, mix, layout, rank, dtype, tol):
     """The segment kernels against lora_reference on every slot mix, plain and grouped (q/k/v with outs 64/16/16,
-    gate/up), rank 8 and 16 in slots of rank 16; fan_in 600 takes two K-splits. Tokens without an adapter are left
+    gate/up), rank 8 and 16 in slots of rank 16, through the fused kernel and the shrink/expand pair; fan_in 600
+    takes two K-splits (two kernels) or two K steps with a masked tail (fused). Tokens without an adapter are left
     exactly as they were."""
     from dark.kernels.lora import lora_segments
 
@@ -167,8 +172,9 @@ def test_lora_segments_match_reference(mix, layout, rank, dtype, tol):
     kw = dict(splits=splits, stride=max_rank) if len(splits) > 1 else {}
     ref = lora_reference(x.cpu(), y.cpu(), A.cpu(), B.cpu(), token_slots, rank, **kw)
     slots_dev = token_slots.to(DEV)
-    out = lora_apply(x, y.clone(), A, B, slots_dev, rank, **kw)
-    shared = lora_apply(x, y.clone(), A, B, slots_dev, rank, segments=lora_segments(slots_dev, max_slots=4), **kw)
+    out = lora_apply(x, y.clone(), A, B, slots_dev, rank, fused=fused, **kw)
+    shared = lora_apply(x, y.clone(), A, B, slots_dev, rank, segments=lora_segments(slots_dev, max_slots=4),
+                        fused=fused, **kw)
     assert torch.equal(out, shared), "a table made for the slot count must give what the call makes itself"
     out, y = out.cpu(), y.cpu()
     for t, s in enumerate(token_slots.tolist()):
@@ -200,11 +206,96 @@ def test_lora_shrink_writes_each_token_row():
             assert (codes[t, m, rank:] == 0).all()
 
 
-def test_slot_lora_kernel_path_matches_torch_path():
+@pytest.mark.parametrize("block_n,block_k,tiles,dtype,tol", [(32, 64, 1, torch.bfloat16, 1e-2),
+                                                             (32, 128, 2, torch.float32, 1e-5),
+                                                             (16, 256, 4, torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("mix", ["mixed", "40_tokens_2_slots", "single"])
+def test_lora_fused_tilings(mix, layout, block_n, block_k, tiles, dtype, tol):
+    """The fused kernel with small tiles, so one launch has several column programs per row, each looping over
+    several column tiles (the last partly or wholly past the output), tiles that straddle two members' columns
+    (q/k/v 64/16/16 and gate/up 48/48 in tiles of 16 or 32), and K steps with a masked tail (600 = 9 x 64 + 24)."""
+    from dark.kernels.lora import lora_fused
+
+    splits = LAYOUTS[layout]
+    rank, max_rank, fan_in = 16, 16, 600
+    token_slots = torch.tensor(SLOT_MIXES[mix])
+    A, B, x, y = _lora_case(token_slots, fan_in, splits, rank, max_rank, dtype, seed=len(mix) + block_n)
+    kw = dict(splits=splits, stride=max_rank) if len(splits) > 1 else {}
+    ref = lora_reference(x.cpu(), y.cpu(), A.cpu(), B.cpu(), token_slots, rank, **kw)
+    out = lora_fused(x, y.clone(), A, B, token_slots.to(DEV), rank, block_n=block_n, block_k=block_k, tiles=tiles,
+                     **kw).cpu()
+    y = y.cpu()
+    none = token_slots < 0
+    assert torch.equal(out[none], y[none]), "a token without an adapter must be left alone"
+    delta_out, delta_ref = out.double() - y.double(), ref.double() - y.double()
+    assert delta_ref.norm() > 0.1 and (delta_out - delta_ref).norm() <= 2 * tol * delta_ref.norm() + 1e-6
+
+
+def test_lora_apply_picks_the_fused_kernel_unless_told_not_to(monkeypatch):
+    """lora_apply: fused=None follows the module's FUSED (DARK_LORA_FUSED, on unless "0"); True/False override it."""
+    import importlib.util
+
+    lk = kernel_module("lora")
+    calls = []
+    real_fused, real_shrink = lk.lora_fused, lk.lora_shrink
+    monkeypatch.setattr(lk, "lora_fused", lambda *a, **k: calls.append("fused") or real_fused(*a, **k))
+    monkeypatch.setattr(lk, "lora_shrink", lambda *a, **k: calls.append("shrink") or real_shrink(*a, **k))
+    token_slots = torch.tensor([1, -1, 0])
+    A, B, x, y = _lora_case(token_slots, 64, [32], 8, 8, torch.float32, seed=0)
+    slots_dev = token_slots.to(DEV)
+    outs = {}
+    for flag, fused, want in ((True, None, "fused"), (False, None, "shrink"), (False, True, "fused"),
+                              (True, False, "shrink")):
+        monkeypatch.setattr(lk, "FUSED", flag)
+        calls.clear()
+        outs[want] = lk.lora_apply(x, y.clone(), A, B, slots_dev, 8, fused=fused)
+        assert calls == [want], (flag, fused)
+    assert rel_err(outs["fused"].cpu(), outs["shrink"].cpu()) < 1e-5
+    empty = torch.zeros(0, 32, device=DEV)
+    assert lk.lora_apply(x[:0], empty, A, B, slots_dev[:0], 8, fused=True) is empty
+
+    def fused_under(env):  # the module's FUSED as read at import with that environment
+        if env is None:
+            monkeypatch.delenv("DARK_LORA_FUSED", raising=False)
+        else:
+            monkeypatch.setenv("DARK_LORA_FUSED", env)
+        spec = importlib.util.spec_from_file_location("_lora_env_check", lk.__file__)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.FUSED
+
+    assert fused_under(None) and fused_under("1") and not fused_under("0")
+
+
+@pytest.mark.parametrize("rows,tokens", [(1, 1), (4, 64), (11, 64), (34, 64), (40, 256)])
+def test_lora_fused_grid_stays_within_two_waves(rows, tokens):
+    """The fused kernel's tiling at Qwen2.5-7B sizes (rank 16, bf16, 132 SMs): every column tile covered, at most
+    two waves of programs, and no more programs per row than at fewer rows (each repeats the row's shrink)."""
+    import triton
+
+    from dark.kernels.lora import FUSED_L2_PROGRAMS, _fused_grid
+
+    for fan_in, outs in ((3584, [3584, 512, 512]), (3584, [3584]), (3584, [18944, 18944]), (18944, [3584])):
+        n, members = sum(outs), len(outs)
+        per_row = min(16, -(-tokens // rows))
+        grid = {}
+        for g in (1, rows):
+            grid[g] = _fused_grid(g, per_row if g == rows else 1, fan_in, n, 256, 16, members, 2, 132,
+                                  FUSED_L2_PROGRAMS)
+        programs, tiles = grid[rows]
+        assert programs == triton.cdiv(triton.cdiv(n, 256), tiles) and programs * tiles >= triton.cdiv(n, 256)
+        assert 1 <= rows * programs <= 2 * 132
+        assert programs <= grid[1][0]
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_kernels"])
+def test_slot_lora_kernel_path_matches_torch_path(fused, monkeypatch):
     """SlotLoRA's two paths (kernels, dense torch math) on the same slots and a mixed batch, per projection and
     per fused group (q/k/v, gate/up: one call on the concatenated output equals each member on its own, also
-    when an adapter targets only some members)."""
+    when an adapter targets only some members); the kernels as DARK_LORA_FUSED picks them (fused or not)."""
     from types import SimpleNamespace
+
+    monkeypatch.setattr(kernel_module("lora"), "FUSED", fused)
 
     from dark.lora.slots import AdapterSlots, SlotLoRA
     from dark.lora.weights import AdapterWeights

@@ -48,7 +48,8 @@ def test_paged_decode_qwen_shapes(batch, max_ctx):
 
 @pytest.mark.parametrize("tokens", [1, 32])
 @pytest.mark.parametrize("fan_in,fan_out", [(3584, 3584), (3584, 512), (3584, 18944), (18944, 3584), (3584, 152064)])
-def test_lora_qwen_shapes(tokens, fan_in, fan_out):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_kernels"])
+def test_lora_qwen_shapes(tokens, fan_in, fan_out, fused):
     from dark.kernels.lora import lora_apply, lora_reference
 
     g = torch.Generator(device="cuda").manual_seed(fan_in + fan_out + tokens)
@@ -61,7 +62,7 @@ def test_lora_qwen_shapes(tokens, fan_in, fan_out):
     y = torch.randn(tokens, fan_out, device="cuda", generator=g).to(torch.bfloat16)
     token_slots = torch.randint(-1, slots, (tokens,), device="cuda", generator=g)
     token_slots[0] = 3
-    out = lora_apply(x, y.clone(), A, B, token_slots, rank)
+    out = lora_apply(x, y.clone(), A, B, token_slots, rank, fused=fused)
     ref = lora_reference(x, y, A, B, token_slots, rank)
     assert rel_err(out, ref) < BF16_TOL
     delta, delta_ref = out.double() - y.double(), ref.double() - y.double()
@@ -70,8 +71,9 @@ def test_lora_qwen_shapes(tokens, fan_in, fan_out):
 
 @pytest.mark.parametrize("tokens", [1, 32])
 @pytest.mark.parametrize("splits", [[3584, 512, 512], [18944, 18944]])
-def test_grouped_lora_qwen_shapes(tokens, splits):
-    """The fused q/k/v and gate/up groups of Qwen2.5-7B: one shrink and one expand for the whole group."""
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_kernels"])
+def test_grouped_lora_qwen_shapes(tokens, splits, fused):
+    """The q/k/v and gate/up groups of Qwen2.5-7B: one launch (fused) or one shrink and one expand for the group."""
     from dark.kernels.lora import lora_apply, lora_reference
 
     g = torch.Generator(device="cuda").manual_seed(sum(splits) + tokens)
@@ -85,7 +87,7 @@ def test_grouped_lora_qwen_shapes(tokens, splits):
     y = torch.randn(tokens, sum(splits), device="cuda", generator=g).to(torch.bfloat16)
     token_slots = torch.randint(-1, slots, (tokens,), device="cuda", generator=g)
     token_slots[0] = 3
-    out = lora_apply(x, y.clone(), A, B, token_slots, rank, splits=splits, stride=max_rank)
+    out = lora_apply(x, y.clone(), A, B, token_slots, rank, splits=splits, stride=max_rank, fused=fused)
     ref = lora_reference(x, y, A, B, token_slots, rank, splits=splits, stride=max_rank)
     delta, delta_ref = out.double() - y.double(), ref.double() - y.double()
     assert (delta - delta_ref).norm() <= BF16_TOL * delta_ref.norm() + 1e-3
@@ -154,44 +156,62 @@ def _check_delta(out, ref, y, token_slots, tol):
 @pytest.mark.parametrize("mix", ["64_over_32", "48_over_32_padded_64", "64_one_slot", "256_over_8", "single"])
 @pytest.mark.parametrize("layout", ["qkv", "o", "gate_up", "down"])
 @pytest.mark.parametrize("rank", [16, 8])
-def test_lora_segments_qwen_shapes(mix, layout, rank):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_kernels"])
+def test_lora_segments_qwen_shapes(mix, layout, rank, fused):
     from dark.kernels.lora import lora_apply, lora_reference, lora_segments
 
     g = torch.Generator(device="cuda").manual_seed(len(mix) * 100 + len(layout) + rank)
     token_slots = _step_slots(mix, g)
     A, B, x, y, kw = _qwen_case(layout, rank, 64, 32, len(token_slots), torch.bfloat16, g)
-    segments = lora_segments(token_slots)  # once per forward, as SlotLoRA.with_kernels does
-    out = lora_apply(x, y.clone(), A, B, token_slots, rank, segments=segments, **kw)
+    segments = lora_segments(token_slots, 32)  # once per forward, as SlotLoRA.with_kernels does (32 slots)
+    out = lora_apply(x, y.clone(), A, B, token_slots, rank, segments=segments, fused=fused, **kw)
     ref = lora_reference(x, y, A, B, token_slots, rank, **kw)
     _check_delta(out, ref, y, token_slots, BF16_TOL)
 
 
 @pytest.mark.parametrize("layout", ["qkv", "gate_up", "down"])
-def test_lora_segments_qwen_shapes_fp32(layout):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_kernels"])
+def test_lora_segments_qwen_shapes_fp32(layout, fused):
     """fp32 factors: the "ieee" dots, to fp32 rounding."""
     from dark.kernels.lora import lora_apply, lora_reference
 
     g = torch.Generator(device="cuda").manual_seed(len(layout))
     token_slots = _step_slots("64_over_32", g)
     A, B, x, y, kw = _qwen_case(layout, 16, 16, 32, len(token_slots), torch.float32, g)
-    out = lora_apply(x, y.clone(), A, B, token_slots, 16, **kw)
+    out = lora_apply(x, y.clone(), A, B, token_slots, 16, fused=fused, **kw)
     ref = lora_reference(x, y, A, B, token_slots, 16, **kw)
     assert rel_err(out - y, ref - y) < 1e-4
 
 
-def test_lora_lm_head_qwen_shape():
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_kernels"])
+def test_lora_lm_head_qwen_shape(fused):
     from dark.kernels.lora import lora_apply, lora_reference
 
     g = torch.Generator(device="cuda").manual_seed(11)
     token_slots = _step_slots("64_over_32", g)[:16]
     A, B, x, y, kw = _qwen_case("lm_head", 16, 16, 32, 16, torch.bfloat16, g)
-    out = lora_apply(x, y.clone(), A, B, token_slots, 16, **kw)
+    out = lora_apply(x, y.clone(), A, B, token_slots, 16, fused=fused, **kw)
     _check_delta(out, lora_reference(x, y, A, B, token_slots, 16, **kw), y, token_slots, BF16_TOL)
 
 
-def test_lora_segments_in_a_cuda_graph():
-    """The sort and both kernels captured in one CUDA graph (as the decode step is): a new mix of slots copied
-    into the static slot tensor gives that mix's deltas on replay, with no host sync in the capture."""
+def _capture(step):
+    """A CUDA graph of step(), compiled and run once outside the capture first (as the engine warms up)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_kernels"])
+def test_lora_segments_in_a_cuda_graph(fused):
+    """The sort and the kernels (one launch per projection when fused, two otherwise) captured in one CUDA graph
+    (as the decode step is): a new mix of slots copied into the static slot tensor gives that mix's deltas on
+    replay, with no host sync in the capture."""
     from dark.kernels.lora import lora_apply, lora_reference, lora_segments
 
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -201,16 +221,9 @@ def test_lora_segments_in_a_cuda_graph():
 
     def step():
         out.copy_(y)
-        lora_apply(x, out, A, B, static, 16, segments=lora_segments(static), **kw)
+        lora_apply(x, out, A, B, static, 16, segments=lora_segments(static, 32), fused=fused, **kw)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = _capture(step)
     for mix in ("48_over_32_padded_64", "64_one_slot", "64_over_32"):
         static.copy_(_step_slots(mix, g))
         graph.replay()
@@ -218,14 +231,90 @@ def test_lora_segments_in_a_cuda_graph():
         _check_delta(out, lora_reference(x, y, A, B, static, 16, **kw), y, static, BF16_TOL)
 
 
-def test_slot_lora_kernels_qwen_step():
+def _decode_layer_case(tokens, g):
+    """One decoder layer's four LoRA calls at Qwen2.5-7B sizes (32 slots of max rank 64, rank 16, bf16): for each,
+    (A, B, x, y, kw, out) with out the buffer a captured step writes."""
+    cases = {}
+    for layout in ("qkv", "o", "gate_up", "down"):
+        A, B, x, y, kw = _qwen_case(layout, 16, 64, 32, tokens, torch.bfloat16, g)
+        cases[layout] = (A, B, x, y, kw, y.clone())
+    return cases
+
+
+@pytest.mark.parametrize("tokens,mixes", [(1, ([5], [0], [-1], [31], [5])),
+                                          (64, ("64_over_32", "48_over_32_padded_64", "64_one_slot", "64_over_32")),
+                                          (256, ("256_over_8", "256_over_8"))])  # two shuffles
+def test_lora_fused_decode_layer_in_a_cuda_graph(tokens, mixes):
+    """A layer's four LoRA calls (q/k/v, o, gate/up, down), one fused launch each, captured in one CUDA graph with
+    the block table: each replay after a new mix of slots (a batch of one: its slot tensor is its table, -1 too)
+    gives that mix's deltas, and the fused kernel gives the two kernels' result to bf16 rounding."""
+    from dark.kernels.lora import lora_apply, lora_reference, lora_segments
+
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    cases = _decode_layer_case(tokens, g)
+    static = torch.tensor(mixes[0], device="cuda") if tokens == 1 else _step_slots(mixes[0], g)
+
+    def step():
+        segments = lora_segments(static, 32)
+        for A, B, x, y, kw, out in cases.values():
+            out.copy_(y)
+            lora_apply(x, out, A, B, static, 16, segments=segments, fused=True, **kw)
+
+    graph = _capture(step)
+    for mix in mixes:
+        static.copy_(torch.tensor(mix, device="cuda") if tokens == 1 else _step_slots(mix, g))
+        graph.replay()
+        torch.cuda.synchronize()
+        for layout, (A, B, x, y, kw, out) in cases.items():
+            _check_delta(out, lora_reference(x, y, A, B, static, 16, **kw), y, static, BF16_TOL)
+            two = lora_apply(x, y.clone(), A, B, static, 16, fused=False, **kw)
+            if (static >= 0).any():
+                assert rel_err(out - y, two - y) < 1e-2, layout
+            else:
+                assert torch.equal(out, y) and torch.equal(two, y), layout
+
+
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_lora_fused_is_one_launch_per_projection(tokens):
+    """Launches the profiler sees for a layer's four LoRA calls: four fused kernels, else four shrinks and four
+    expands."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from dark.kernels.lora import lora_apply, lora_segments
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    cases = _decode_layer_case(tokens, g)
+    slots = torch.tensor([7], device="cuda") if tokens == 1 else _step_slots("64_over_32", g)
+    segments = lora_segments(slots, 32)
+    for fused in (True, False):  # compiled before the profiled calls
+        for A, B, x, y, kw, out in cases.values():
+            lora_apply(x, out, A, B, slots, 16, segments=segments, fused=fused, **kw)
+    torch.cuda.synchronize()
+    for fused, want in ((True, {"_fused_kernel": 4}), (False, {"_shrink_kernel": 4, "_expand_kernel": 4})):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for A, B, x, y, kw, out in cases.values():
+                lora_apply(x, out, A, B, slots, 16, segments=segments, fused=fused, **kw)
+            torch.cuda.synchronize()
+        kernels = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+        if not kernels:
+            pytest.skip("the profiler records no CUDA kernels here (no CUPTI)")
+        seen = {name: sum(name in k for k in kernels) for name in ("_fused_kernel", "_shrink_kernel", "_expand_kernel")}
+        assert {k: v for k, v in seen.items() if v} == want, kernels
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_kernels"])
+def test_slot_lora_kernels_qwen_step(fused, monkeypatch):
     """SlotLoRA.with_kernels on 64 decode rows over 32 adapters of rank 16 on every projection, against the dense
-    torch path, per fused group."""
+    torch path, per fused group; the kernels as DARK_LORA_FUSED picks them."""
     from types import SimpleNamespace
 
     from dark.config import LoraConfig
     from dark.lora.slots import AdapterSlots, SlotLoRA
     from dark.lora.weights import AdapterWeights
+    from dark.models.decoder import kernel_module
+
+    monkeypatch.setattr(kernel_module("lora"), "FUSED", fused)
 
     shapes = {"q_proj": (3584, 3584), "k_proj": (3584, 512), "v_proj": (3584, 512), "o_proj": (3584, 3584),
               "gate_proj": (3584, 18944), "up_proj": (3584, 18944), "down_proj": (18944, 3584)}

@@ -6,10 +6,11 @@ projection is two matmuls, whatever the mix of adapters: x @ A[active] gives eac
 under every active adapter, a one-hot mask keeps the token's own, and that times the stacked B gives the
 delta. No Python loop over adapters, and tokens without an adapter cost nothing extra when none is active.
 
-On CUDA, batches of up to KERNEL_MAX_TOKENS tokens (decode, short prefills) use the Triton shrink/expand
-kernels instead (dark.kernels.lora): the step's slots are sorted once per forward, so tokens of one adapter form
-a segment and each segment reads its adapter's factors once (per 16 tokens), two launches per projection; the
-only per-step input is a device tensor of slots, which a CUDA graph can keep (the sort is captured with it).
+On CUDA, batches of up to KERNEL_MAX_TOKENS tokens (decode, short prefills) use the Triton LoRA kernels
+instead (dark.kernels.lora): the step's slots are sorted once per forward, so tokens of one adapter form a
+segment and each segment reads its adapter's factors once (per 16 tokens); one launch per projection or fused
+group (shrink and expand in one kernel; DARK_LORA_FUSED=0: the two-kernel shrink/expand pair); the only per-step
+input is a device tensor of slots, which a CUDA graph can keep (the sort is captured with it).
 """
 from __future__ import annotations
 
