@@ -280,12 +280,9 @@ def dark_parts(run: Run, llm) -> None:
     def during():
         # the headline figures come from the first setting of --train-sms (the engine's default first); the others
         # are in the details, one row per setting: SMs the trainer may use (a green context), 0 = all of them
-        from dark.learn.jobs import training_stream
-
         learner, by_sms = llm.learner, {}
         for n in a.train_sms:
-            if dev.type == "cuda":
-                learner._green, learner.trainer.stream = training_stream(dev, n)
+            learner.set_train_sms(n)
             bench_dark_decode(llm, clock, train_args, dev, sub, run.save, solo.get("rate"))
             d = sub["decode"][-1]
             by_sms[n] = {"p99_ratio": round(d["while_training"]["p99_ms"] / d["solo"]["p99_ms"], 3),
@@ -296,8 +293,7 @@ def dark_parts(run: Run, llm) -> None:
             if n == a.train_sms[0]:
                 run.fig("decode_p99_ratio_during_training", by_sms[n]["p99_ratio"])
                 run.fig("train_ratio_during_decode", by_sms[n]["train_ratio"])
-        if dev.type == "cuda":
-            learner._green, learner.trainer.stream = training_stream(dev, llm.engine.config.train_sms)
+        learner.set_train_sms(llm.engine.config.train_sms)
     run.part("decode_during_training", during)
 
     def correction():
@@ -399,9 +395,9 @@ def main() -> None:
     for name, default in sizes.items():
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=default)
     ap.add_argument("--offline-range", type=int, nargs=2, default=[100, 1024])
-    ap.add_argument("--train-sms", type=int, nargs="+", default=[0],
-                    help="decode during training once per value: SMs the trainer may use (0 = all); the first is "
-                         "the headline")
+    ap.add_argument("--train-sms", type=int, nargs="+", default=[-1],
+                    help="decode during training once per value: SMs the trainer may use while serving (-1: half, "
+                         "the engine's default; 0: all); the first is the headline")
     args = ap.parse_args()
     shape = QWEN25_7B
     if args.tiny:

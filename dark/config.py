@@ -29,8 +29,9 @@ class EngineConfig:
     max_adapter_slots: int = 8       # adapters resident on the device at once
     max_lora_rank: int = 64
     enable_prefix_caching: bool = True
-    train_sms: int = 0               # CUDA: streaming multiprocessors learn jobs may use (a green context), leaving
-                                     # the others to serving alone; 0: all, shared with serving by stream priority
+    train_sms: int = -1              # CUDA: streaming multiprocessors a learn job's steps may use while requests are
+                                     # served (a green context), leaving the others to serving alone; -1: half of
+                                     # them; 0: all, shared with serving by stream priority. Idle: always all
 
     def validate(self) -> "EngineConfig":
         _check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
@@ -41,7 +42,8 @@ class EngineConfig:
         _check(0.05 <= self.kv_cache_memory_fraction <= 0.95, "kv_cache_memory_fraction must be in [0.05, 0.95]")
         _check(self.max_adapter_slots >= 1, "max_adapter_slots must be >= 1")
         _check(self.max_lora_rank >= 1, "max_lora_rank must be >= 1")
-        _check(isinstance(self.train_sms, int) and self.train_sms >= 0, "train_sms must be an integer >= 0 (0: all SMs)")
+        _check(isinstance(self.train_sms, int) and self.train_sms >= -1,
+               "train_sms must be an integer >= -1 (-1: half the SMs while serving, 0: all)")
         _check(self.dtype in ("", "bfloat16", "float16", "float32"), f"dtype {self.dtype!r} is not one of bfloat16, float16, float32")
         return self
 

@@ -83,9 +83,8 @@ class Learner:
         self.config = learn_config
         engine = llm.engine
         self.trainer = Trainer(llm.model, llm.tokenizer, engine.device, self._base_answers)
-        self._green = None  # the CUDA green context training runs in, when engine.config.train_sms asks for one
-        if engine.device.type == "cuda" and engine.config.train_sms:
-            self._green, self.trainer.stream = training_stream(engine.device, engine.config.train_sms)
+        self._green = None  # the CUDA green context training runs in while serving is busy (engine.config.train_sms)
+        self.set_train_sms(engine.config.train_sms)
         self._queue: deque[tuple[LearnJob, dict]] = deque()
         self._jobs: dict[str, LearnJob] = {}
         self._optimizer: dict[str, dict] = {}  # per adapter, also on disk so corrections accumulate across restarts
@@ -107,6 +106,20 @@ class Learner:
         except Exception:
             log.exception("could not prepare learning; the first learn job will try again")
         self._thread.start()
+
+    def set_train_sms(self, sms: int) -> None:
+        """SMs training steps may use while requests are being served: -1 half of them, 0 all (shared with serving by
+        stream priority), N that many. Steps taken while nothing is served use every SM either way."""
+        engine, trainer = self.llm.engine, self.trainer
+        trainer.shared_stream, self._green = None, None
+        if engine.device.type != "cuda" or sms == 0:
+            return
+        if sms < 0:
+            sms = torch.cuda.get_device_properties(engine.device).multi_processor_count // 2
+        self._green, stream = training_stream(engine.device, sms)
+        if self._green is not None:
+            trainer.shared_stream = stream
+            trainer.serving_busy = engine.scheduler.has_work
 
     def close(self) -> None:
         with self._wake:

@@ -180,6 +180,10 @@ class Trainer:
         self._protectors: dict[float, Protector] = {}  # per energy, fitted once on the frozen base
         self.stream = torch.cuda.Stream(device=device, priority=0) if device.type == "cuda" else None
         self._staging = Staging()  # pinned host memory for moving factors and moments (CUDA)
+        # while serving_busy() says requests are being served, steps run on shared_stream (a green context on
+        # part of the SMs, dark.learn.jobs.training_stream) when one is set, else on self.stream
+        self.shared_stream: torch.cuda.Stream | None = None
+        self.serving_busy: Callable[[], bool] = lambda: False
 
     # --- batches ---
     def _forward(self, rendered: list[Rendered], lora, checkpoint_tokens: int = -1) -> tuple[torch.Tensor, int, int, bool]:
@@ -360,33 +364,36 @@ class Trainer:
         losses, verified, kept, step = [], False, True, 0
         rng = random.Random(0)
         while True:
-            # every check describes the weights as they are now, before this step's update: stop with them
-            batch = self._pick(sft, cfg.batch_size, rng)
-            loss_total, verified, kept = self._sft_and_anchor_losses(batch, anchors, lora, cfg)
-            verified = verified <= threshold
-            if prefs:
-                pref, forgotten = self._pref_loss(prefs, lora, cfg)
-                loss_total = loss_total + cfg.dpo_weight * pref
-                verified = verified and forgotten
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("step %d loss %.4f verified %s anchors kept %s", step, loss_total.item(), verified, kept)
-            if verified and batch and step >= cfg.min_steps and low_precision:
-                # training ran under bf16 autocast: confirm in the precision that serves before stopping
-                verified, kept = self._confirm(batch, anchors, lora, threshold)
-            if (verified and kept and step >= cfg.min_steps) or step >= cfg.max_steps:
-                break
-            opt.zero_grad(set_to_none=True)
-            loss_total.backward()
-            torch.nn.utils.clip_grad_norm_(flat, cfg.max_grad_norm)
-            opt.step()
-            if protector is not None:
-                with torch.no_grad():
-                    for k, (a, _) in params.items():
-                        protector.project_update(k, a, start[k])
-            step += 1
-            losses.append(round(loss_total.item(), 5))
-            if on_step:
-                on_step(step, losses[-1])
+            # each step on the stream of the moment (serving busy or not); the previous step ended in a host
+            # sync (its loss), so its work is done whichever stream this one takes
+            with self._step_stream():
+                # every check describes the weights as they are now, before this step's update: stop with them
+                batch = self._pick(sft, cfg.batch_size, rng)
+                loss_total, verified, kept = self._sft_and_anchor_losses(batch, anchors, lora, cfg)
+                verified = verified <= threshold
+                if prefs:
+                    pref, forgotten = self._pref_loss(prefs, lora, cfg)
+                    loss_total = loss_total + cfg.dpo_weight * pref
+                    verified = verified and forgotten
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("step %d loss %.4f verified %s anchors kept %s", step, loss_total.item(), verified, kept)
+                if verified and batch and step >= cfg.min_steps and low_precision:
+                    # training ran under bf16 autocast: confirm in the precision that serves before stopping
+                    verified, kept = self._confirm(batch, anchors, lora, threshold)
+                if (verified and kept and step >= cfg.min_steps) or step >= cfg.max_steps:
+                    break
+                opt.zero_grad(set_to_none=True)
+                loss_total.backward()
+                torch.nn.utils.clip_grad_norm_(flat, cfg.max_grad_norm)
+                opt.step()
+                if protector is not None:
+                    with torch.no_grad():
+                        for k, (a, _) in params.items():
+                            protector.project_update(k, a, start[k])
+                step += 1
+                losses.append(round(loss_total.item(), 5))
+                if on_step:
+                    on_step(step, losses[-1])
         marks["trained"] = time.perf_counter()
         host = iter(to_host([t.detach() for k in keys for t in params[k]], self._staging))
         out = AdapterWeights(weights.config, {k: (next(host), next(host)) for k in keys}, weights.scaling)
@@ -397,6 +404,12 @@ class Trainer:
                    "to_host": marks["copied"] - marks["trained"]}
         return TrainResult(out, state, step, losses, verified, anchors_kept=kept,
                            timings={k: round(v, 3) for k, v in timings.items()})
+
+    def _step_stream(self):
+        if self.stream is None:
+            return nullcontext()
+        busy = self.shared_stream is not None and self.serving_busy()
+        return torch.cuda.stream(self.shared_stream if busy else self.stream)
 
     def _confirm(self, batch: list[Item], anchors: list[Item], lora, threshold: float) -> tuple[bool, bool]:
         with torch.no_grad(), torch.autocast("cpu", enabled=False):
