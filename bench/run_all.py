@@ -195,6 +195,17 @@ def dark_parts(run: Run, llm) -> None:
     clock = StepClock(llm.engine.runner)
     eng = llm.engine
 
+    from dark.models.decoder import kernel_module
+
+    lora_kernels = kernel_module("lora")
+    default_fused = getattr(lora_kernels, "FUSED", None)
+
+    def lora_variant(fused) -> None:
+        # the LoRA decode kernels: one fused launch per projection, or shrink + expand; graphs captured again
+        if default_fused is not None:
+            lora_kernels.FUSED = fused
+            eng.call_between_steps(eng.runner._drop_graphs).result()
+
     def bs1():
         fig = bench_ours(llm, clock, 1, a.prompt_len, a.bs1_tokens, seed=10, repeats=a.repeats)
         run.fig("decode_bs1_tok_s", fig["decode_tok_s"])
@@ -202,9 +213,16 @@ def dark_parts(run: Run, llm) -> None:
         fig2 = bench_ours(llm, clock, 1, a.prompt_len, a.bs1_tokens, adapter=("one", 1), seed=10, repeats=a.repeats)
         run.fig("decode_bs1_adapter_tok_s", fig2["decode_tok_s"])
         run.fig("decode_bs1_adapter_ratio", round(fig2["decode_tok_s"] / fig["decode_tok_s"], 3))
-        run.report["details"]["decode_bs1"] = {"base": fig, "adapter": fig2}
+        run.report["details"]["decode_bs1"] = {"base": fig, "adapter": fig2, "lora_fused": default_fused}
         if dev.type == "cuda" and eng.runner.use_graphs:
             run.report["details"]["graph_replay_ms"] = graph_replay_ms(eng.runner)
+        if a.lora_variants and default_fused is not None:
+            lora_variant(not default_fused)
+            other = bench_ours(llm, clock, 1, a.prompt_len, a.bs1_tokens, adapter=("one", 1), seed=10,
+                               repeats=a.repeats)
+            run.report["details"]["decode_bs1"]["adapter_other_lora_kernels"] = other
+            run.fig("decode_bs1_adapter_ratio_other_lora_kernels", round(other["decode_tok_s"] / fig["decode_tok_s"], 3))
+            lora_variant(default_fused)
     run.part("decode_bs1", bs1)
 
     def multi():
@@ -225,6 +243,14 @@ def dark_parts(run: Run, llm) -> None:
         adapters = statistics.fmean([times["mixed"], times["mixed_again"]])
         run.fig("multi_adapter_ratio", round(base / adapters, 3))
         run.report["details"]["multi_adapter_step_ms"] = times
+        if a.lora_variants and default_fused is not None:
+            lora_variant(not default_fused)
+            run_requests(llm, [(p, 4, ad) for p, _, ad in mixed])
+            clock.clear()
+            run_requests(llm, mixed)
+            times["mixed_other_lora_kernels"] = round(decode_step_ms(clock, a.multi_batch), 3)
+            run.fig("multi_adapter_ratio_other_lora_kernels", round(base / times["mixed_other_lora_kernels"], 3))
+            lora_variant(default_fused)
     run.part("multi_adapter", multi)
 
     def offline():
@@ -388,6 +414,8 @@ def main() -> None:
     ap.add_argument("--copy-to", type=Path, help="also copy latest.json, the details and RESULTS.md here")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--profile-train", action="store_true", help="also profile 2 training steps (kernels by GPU time)")
+    ap.add_argument("--lora-variants", action="store_true",
+                    help="also time the adapter lines with the other LoRA decode kernels (fused <-> shrink + expand)")
     sizes = {"repeats": 2, "prompt_len": 128, "bs1_tokens": 128, "adapters": 32, "multi_batch": 64, "multi_tokens": 64,
              "offline_requests": 256, "hf_offline_batch": 32, "hf_offline_prompt": 512, "hf_offline_new": 128,
              "train_batch": 2, "seq_len": 2048, "label_tokens": 1024, "warmup": 1, "steps": 4, "streams": 8,
