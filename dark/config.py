@@ -102,7 +102,7 @@ class LearnConfig:
                                      # recomputes the layer in backward (activation checkpointing); 0: always, -1: never.
                                      # Measured on a 7B (H200): a pass keeps ~6.6 MiB a token without it (384 tokens:
                                      # 2.6 GiB), ~0.23 MiB with it (4096 tokens: 1.9 GiB), for ~80 ms more a step
-    logits_chunk: int = 256          # rows of logits ([rows, vocabulary] in fp32) made at once for the loss: 256 rows
+    logits_chunk: int = 128          # rows of logits ([rows, vocabulary] in fp32) made at once for the loss: 256 rows
                                      # of a 152k vocabulary and their backward take ~0.6 GiB, 1024 rows ~2.4 GiB
 
     def validate(self) -> "LearnConfig":

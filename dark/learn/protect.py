@@ -60,6 +60,9 @@ EVERYDAY = [
 ]
 
 
+HOST_BASES = ("down_proj",)  # projections whose input is the MLP's inner width: their bases live on the host
+
+
 class Protector:
     """Per projection input, the principal directions of everyday activations, and the projection that removes
     them from a change to a LoRA A factor."""
@@ -97,7 +100,8 @@ class Protector:
         v = self.bases.get(key)
         if v is None:
             return a
-        v = v.to(a.dtype)
+        # bases kept in pinned host memory cross as they are (bf16), then widen on the device
+        v = v.to(a.device, non_blocking=True).to(a.dtype)
         return a - (a @ v) @ v.t()
 
 
@@ -126,6 +130,11 @@ class _Recorder:
         # the members of a fused group (q/k/v, gate/up) share their input: one basis, under the first member
         key = (layer, MEMBERS[GROUPS[module]][0] if module in GROUPS else module)
         if key not in self.seen:
-            self.seen[key] = principal_directions(x[self.valid].float() * self.weight[:, None], self.p.energy).to(self.dtype)
+            v = principal_directions(x[self.valid].float() * self.weight[:, None], self.p.energy).to(self.dtype)
+            if v.device.type == "cuda" and module in HOST_BASES:
+                # the MLP's inner width makes these two thirds of all the bases (~0.85 GB for a 7B model): in
+                # pinned host memory they leave the device to serving, and cross the bus once per training step
+                v = v.cpu().pin_memory()
+            self.seen[key] = v
         self.p.bases[(layer, module)] = self.seen[key]
         return y
