@@ -34,7 +34,7 @@ def lora_on_everything(model, seed: int = 0) -> TrainLoRA:
     gen = torch.Generator().manual_seed(seed)
     params = {k: (a.clone().requires_grad_(True), (torch.randn(b.shape, generator=gen) * 0.05).requires_grad_(True))
               for k, (a, b) in weights.tensors.items()}
-    return TrainLoRA(params, weights.scaling)
+    return TrainLoRA(params, weights.scaling, {m: o for m, (_, o) in cfg.projection_shapes().items()})
 
 
 def grads(lora: TrainLoRA) -> dict:
@@ -266,3 +266,40 @@ def test_checkpointing_keeps_far_fewer_bytes_for_backward(llm):
     print(f"kept for backward: trainer pass {plain} -> {remat} bytes; layers of 64 tokens {layers[False]} -> {layers[True]}")
     assert remat * 4 < plain
     assert layers[True] * 2 < layers[False]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("present", [("q_proj", "k_proj", "v_proj"), ("q_proj", "v_proj"), ("gate_proj", "up_proj"),
+                                     ("up_proj",)])
+def test_grouped_training_lora_equals_each_member(dtype, present):
+    """apply_group on a fused group's concatenated output (one stacked-A GEMM, one block-diagonal-B GEMM) gives
+    each member's own delta, and the same gradients, also when some members have no factors."""
+    gen = torch.Generator().manual_seed(len(present))
+    group = "qkv" if present[0] in ("q_proj", "k_proj", "v_proj") else "gate_up"
+    members = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}[group]
+    outs = {"q_proj": 48, "k_proj": 16, "v_proj": 16, "gate_proj": 40, "up_proj": 40}
+    tokens, fan_in, r = 12, 32, 4
+
+    def fresh():
+        g = torch.Generator().manual_seed(7)
+        return {(0, m): ((torch.randn(r, fan_in, generator=g) * 0.2).requires_grad_(True),
+                         (torch.randn(outs[m], r, generator=g) * 0.2).requires_grad_(True)) for m in present}
+
+    x = torch.randn(tokens, fan_in, generator=gen).to(dtype)
+    y = torch.randn(tokens, sum(outs[m] for m in members), generator=gen).to(dtype)
+    grouped_params, single_params = fresh(), fresh()
+    got = TrainLoRA(grouped_params, 1.5, outs).apply_group(0, group, x, y)
+    single = TrainLoRA(single_params, 1.5, outs)
+    parts, col = [], 0
+    for m in members:
+        parts.append(single.apply(0, m, x, y[:, col:col + outs[m]]))
+        col += outs[m]
+    want = torch.cat(parts, 1)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    w = torch.randn(got.shape, generator=gen)
+    (got.float() * w).sum().backward()
+    (want.float() * w).sum().backward()
+    for k in grouped_params:
+        for i in range(2):
+            torch.testing.assert_close(grouped_params[k][i].grad, single_params[k][i].grad, **tol)

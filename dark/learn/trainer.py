@@ -32,6 +32,7 @@ from ..engine.attention import SharedPrefixAttention
 from ..lora.weights import AdapterWeights
 from ..models.decoder import CausalLM
 from .data import Rendered, render, rewordings
+from ..lora.slots import MEMBERS
 from .protect import Protector
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,10 @@ def cpu_has_bf16() -> bool:
 class TrainLoRA:
     """LoRA for training: one adapter's factors, applied to every token, differentiable."""
 
-    def __init__(self, params: dict, scaling: float):
-        self.params, self.scaling = params, scaling
+    def __init__(self, params: dict, scaling: float, outs: dict[str, int] | None = None):
+        """outs: each projection's output size (the model config's projection_shapes), which a fused group whose
+        members do not all have factors needs to split its output."""
+        self.params, self.scaling, self.outs = params, scaling, outs or {}
 
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         p = self.params.get((layer, module))
@@ -75,9 +78,29 @@ class TrainLoRA:
         if x.dtype in (torch.bfloat16, torch.float16):
             # in the activations' precision, with the (tiny) factors cast to it: autograd then keeps the x
             # that exists anyway, not an fp32 copy of every projection input. The master factors, their
-            # gradients (the casts' backward) and the optimizer stay fp32.
-            return y + ((x @ a.to(x.dtype).t()) @ b.to(x.dtype).t() * self.scaling).to(y.dtype)
+            # gradients (the casts' backward) and the optimizer stay fp32. The scaling rides on B, and the
+            # delta is added by the second GEMM itself (addmm): no elementwise pass over [tokens, out].
+            return torch.addmm(y, x @ a.to(x.dtype).t(), (b * self.scaling).to(x.dtype).t())
         return y + ((x.to(a.dtype) @ a.t()) @ b.t() * self.scaling).to(y.dtype)
+
+    def apply_group(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The deltas of a fused group's members (q/k/v, gate/up) on their concatenated output y, so training runs
+        the base model's fused GEMMs too: the members' A stacked into one GEMM, their B as one block-diagonal
+        GEMM that adds into y. A group whose members do not all have factors goes member by member."""
+        members = MEMBERS[group]
+        ps = [self.params.get((layer, m)) for m in members]
+        if all(p is None for p in ps):
+            return y
+        if any(p is None for p in ps):
+            parts, col = [], 0
+            for m in members:
+                n = self.outs[m]
+                parts.append(self.apply(layer, m, x, y[:, col:col + n]))
+                col += n
+            return torch.cat(parts, 1)
+        a = torch.cat([p[0] for p in ps]).to(x.dtype)                          # [members * r, in]
+        b = (torch.block_diag(*[p[1] for p in ps]) * self.scaling).to(x.dtype)  # [sum of outs, members * r]
+        return torch.addmm(y, x @ a.t(), b.t())
 
 
 @dataclass
@@ -345,7 +368,7 @@ class Trainer:
                     g["lr"] = cfg.lr
             except (ValueError, KeyError):
                 log.warning("optimizer state does not fit this adapter; starting it afresh")
-        lora = TrainLoRA(params, weights.scaling)
+        lora = TrainLoRA(params, weights.scaling, {m: o for m, (_, o) in self.model.config.projection_shapes().items()})
         protector = self.protector(cfg.protect_energy)
         if protector is not None:
             with torch.no_grad():
