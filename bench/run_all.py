@@ -331,6 +331,40 @@ def dark_parts(run: Run, llm) -> None:
         run.fig("correction_to_publish_s", warm[0]["to_done_s"])
         run.fig("correction_first_job_s", jobs[0]["to_done_s"])
     run.part("correction", correction)
+
+    def correction_profile():
+        # a third job on the warm adapter under torch.profiler (every thread): where a correction's time goes
+        from torch.profiler import ProfilerActivity, profile
+
+        from bench_learn_gpu import example_of
+
+        kw = {}
+        try:
+            from torch._C._profiler import _ExperimentalConfig
+
+            kw = {"experimental_config": _ExperimentalConfig(profile_all_threads=True)}
+        except (ImportError, TypeError):
+            pass
+        ex = example_of(llm.tokenizer, a.example_tokens, seed=999)
+        ex.pop("_tokens")
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        t = time.perf_counter()
+        with profile(activities=acts, **kw) as prof:
+            rep = llm.submit_learn([ex], adapter="bench-k1", max_steps=1, min_steps=1).wait(120)
+        wall = time.perf_counter() - t
+        ev = prof.key_averages()
+        kernels = [e for e in ev if e.device_time_total > 0 and "CUDA" in str(getattr(e, "device_type", ""))]
+        ops = sorted((e for e in ev if e.key.startswith("aten::")), key=lambda e: -e.self_cpu_time_total)[:20]
+        run.report["details"]["correction_profile"] = {
+            "wall_s": round(wall, 3), "timings": rep.get("timings"),
+            "gpu_kernel_ms": round(sum(e.device_time_total for e in kernels) / 1000, 1),
+            "kernel_launches": sum(e.count for e in kernels), "aten_calls": sum(e.count for e in ev if e.key.startswith("aten::")),
+            "top_cpu_ops": [{"name": e.key, "count": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1000, 1)} for e in ops],
+            "top_kernels": [{"name": e.key[:80], "count": e.count, "ms": round(e.device_time_total / 1000, 2)}
+                            for e in sorted(kernels, key=lambda e: -e.device_time_total)[:12]]}
+        print(json.dumps(run.report["details"]["correction_profile"])[:2500], flush=True)
+    if a.profile_correction:
+        run.part("correction_profile", correction_profile)
     run.report["details"].update(sub)
 
 
@@ -414,6 +448,7 @@ def main() -> None:
     ap.add_argument("--copy-to", type=Path, help="also copy latest.json, the details and RESULTS.md here")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--profile-train", action="store_true", help="also profile 2 training steps (kernels by GPU time)")
+    ap.add_argument("--profile-correction", action="store_true", help="also profile a third correction job")
     ap.add_argument("--lora-variants", action="store_true",
                     help="also time the adapter lines with the other LoRA decode kernels (fused <-> shrink + expand)")
     sizes = {"repeats": 2, "prompt_len": 128, "bs1_tokens": 128, "adapters": 32, "multi_batch": 64, "multi_tokens": 64,
