@@ -233,7 +233,7 @@ def test_lora_fused_tilings(mix, layout, block_n, block_k, tiles, dtype, tol):
 
 
 def test_lora_apply_picks_the_fused_kernel_unless_told_not_to(monkeypatch):
-    """lora_apply: fused=None follows the module's FUSED (DARK_LORA_FUSED, on unless "0"); True/False override it."""
+    """lora_apply: fused=None follows the module's FUSED (DARK_LORA_FUSED, off unless "1"); True/False override it."""
     import importlib.util
 
     lk = kernel_module("lora")
@@ -265,7 +265,7 @@ def test_lora_apply_picks_the_fused_kernel_unless_told_not_to(monkeypatch):
         spec.loader.exec_module(module)
         return module.FUSED
 
-    assert fused_under(None) and fused_under("1") and not fused_under("0")
+    assert not fused_under(None) and fused_under("1") and not fused_under("0")
 
 
 @pytest.mark.parametrize("rows,tokens", [(1, 1), (4, 64), (11, 64), (34, 64), (40, 256)])

@@ -8,8 +8,8 @@ delta. No Python loop over adapters, and tokens without an adapter cost nothing 
 
 On CUDA, batches of up to KERNEL_MAX_TOKENS tokens (decode, short prefills) use the Triton LoRA kernels
 instead (dark.kernels.lora): the step's slots are sorted once per forward, so tokens of one adapter form a
-segment and each segment reads its adapter's factors once (per 16 tokens); one launch per projection or fused
-group (shrink and expand in one kernel; DARK_LORA_FUSED=0: the two-kernel shrink/expand pair); the only per-step
+segment and each segment reads its adapter's factors once (per 16 tokens); a shrink and an expand launch per
+projection or fused group (DARK_LORA_FUSED=1: one fused kernel, which measured slower on the H200); the only per-step
 input is a device tensor of slots, which a CUDA graph can keep (the sort is captured with it).
 """
 from __future__ import annotations
