@@ -77,8 +77,7 @@ class ModelRunner:
                 last_rows.append(len(ids) - 1)
                 sampled_seqs.append(seq)
         dev = self.device
-        attn = PagedAttention(self.cache, q_lens, ctx_lens, tables, torch.tensor(slot_mapping, device=dev),
-                              kernel=self.fast_decode)
+        attn = PagedAttention(self.cache, q_lens, ctx_lens, tables, torch.tensor(slot_mapping, device=dev))
         lora = self.slots.context(slots_of_tokens)
         hidden = self.model.hidden_states(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), attn, lora)
         if not sampled_seqs:
