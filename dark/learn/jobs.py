@@ -2,6 +2,7 @@
 as new adapter versions. A restarted process finds unfinished jobs in the store and runs them."""
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import logging
@@ -34,15 +35,27 @@ def training_stream(device: torch.device, sms: int):
     Falls back to (None, a low-priority stream on every SM) where green contexts are missing."""
     total = torch.cuda.get_device_properties(device).multi_processor_count
     if 0 < sms < total:
-        try:
-            from torch.cuda.green_contexts import GreenContext
+        key = (device.index or 0, sms)
+        if key not in _GREEN:
+            try:
+                from torch.cuda.green_contexts import GreenContext
 
-            ctx = GreenContext.create(num_sms=sms, device_id=device.index or 0)
-            log.info("learn jobs run on %d of the %d SMs (CUDA green context)", sms, total)
-            return ctx, ctx.Stream()
-        except Exception as e:  # an older driver or torch build
-            log.warning("train_sms=%d: no CUDA green context (%s); training shares every SM with serving", sms, e)
+                ctx = GreenContext.create(num_sms=sms, device_id=key[0])
+                _GREEN[key] = (ctx, ctx.Stream())
+                # never destroyed: memory the caching allocator handed out on its stream can be freed as late as
+                # interpreter shutdown, and freeing it after the context is gone aborts the process
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(ctx))
+                log.info("learn jobs run on %d of the %d SMs while serving (CUDA green context)", sms, total)
+            except Exception as e:  # an older driver or torch build
+                log.warning("train_sms=%d: no CUDA green context (%s); training shares every SM with serving", sms, e)
+                _GREEN[key] = (None, None)
+        ctx, stream = _GREEN[key]
+        if ctx is not None:
+            return ctx, stream
     return None, torch.cuda.Stream(device=device, priority=0)
+
+
+_GREEN: dict[tuple[int, int], tuple] = {}  # (device, SMs) -> (green context, its stream), made once per process
 
 
 class LearnJob:
