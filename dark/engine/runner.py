@@ -103,19 +103,21 @@ class ModelRunner:
         self._bt_host = torch.zeros(rows, width, dtype=torch.int32, pin_memory=pin)
         self._bt_dev = torch.zeros(rows, width, dtype=torch.int32, device=self.device)
         self._bt_rows: list = [None] * rows  # per row: (block table list, its length) last written there
-        self._logits = torch.empty(rows, self.model.config.vocab_size, dtype=torch.float32, device=self.device)
+        # in the model's dtype, as the LM head makes them; the sampled rows widen to fp32 when they are read
+        self._logits = torch.empty(rows, self.model.config.vocab_size, dtype=self.model.lm_head.weight.dtype,
+                                   device=self.device)
         self._buffers_for = rows
 
     def _forward_decode(self, rows: int, with_lora: bool) -> torch.Tensor:
         """The captured region: logits [rows, vocab] from the decode buffers' first `rows` entries, written into
-        the first rows of one fp32 buffer that every graph shares (a graph's own output would stay allocated for
-        as long as the graph lives: ~0.5 GB over the batch-size buckets of a 152k vocabulary)."""
+        the first rows of one buffer that every graph shares (a graph's own output would stay allocated for as
+        long as the graph lives: ~0.5 GB over the batch-size buckets of a 152k vocabulary)."""
         meta = self._meta_dev[:, :rows]
         attn = PagedDecodeAttention(self.cache, meta[_SLOT], self._bt_dev[:rows], meta[_CTX])
         lora = SlotLoRA.with_kernels(self.slots, meta[_LORA]) if with_lora else None
         hidden = self.model.hidden_states(meta[_IDS], meta[_POS], attn, lora)
         out = self._logits[:rows]
-        out.copy_(self.model.lm_head(hidden, lora))  # the cast to fp32 that model.logits does, into the buffer
+        out.copy_(self.model.lm_head(hidden, lora))
         return out
 
     def _run_decode(self, batch: list[tuple[Sequence, int]]) -> dict[int, tuple[int, float | None]]:
@@ -150,7 +152,7 @@ class ModelRunner:
             logits = self._replay(rows, with_lora)
         else:
             logits = self._forward_decode(rows, with_lora)
-        tokens, logprobs = sample(logits[:b], seqs)
+        tokens, logprobs = sample(logits[:b].float(), seqs)
         return {s.id: (t, logprobs[i] if logprobs else None) for i, (s, t) in enumerate(zip(seqs, tokens))}
 
     def _replay(self, rows: int, with_lora: bool) -> torch.Tensor:
