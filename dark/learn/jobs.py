@@ -2,6 +2,7 @@
 as new adapter versions. A restarted process finds unfinished jobs in the store and runs them."""
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import dataclasses
 import json
@@ -104,6 +105,8 @@ class Learner:
         self._opt_gen: dict[str, int] = {}     # per adapter: bumped by forget_optimizer (rollback, undo)
         self._opt_lock = threading.Lock()
         self._busy = False  # a job is being run by the learn thread
+        self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dark-optimizer-writer")
+        self._last_write: concurrent.futures.Future | None = None
         self._wake = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="dark-learn", daemon=True)
@@ -139,6 +142,7 @@ class Learner:
             self._closed = True
             self._wake.notify()
         self._thread.join(timeout=60)
+        self._writer.shutdown(wait=True)  # the last moments reach the disk before the process goes
 
     def _base_answers(self, prompts: list[str]) -> list[str]:
         """The adapter-free model's answers to the anchor prompts, generated once per data folder."""
@@ -239,14 +243,22 @@ class Learner:
             return self._opt_gen.get(name, 0)
 
     def _save_optimizer(self, name: str, state: dict, generation: int) -> None:
-        """Write the moments kept by _keep_optimizer, unless a rollback forgot them since."""
-        with self._opt_lock:
-            if self._opt_gen.get(name, 0) != generation:
-                return
-            path = self.dir / name / "optimizer.pt"
-            tmp = path.with_suffix(".tmp")
+        """Write the moments kept by _keep_optimizer, unless a rollback forgot them since (checked again before the
+        file takes its name). The lock is not held while writing: the next job reads the moments from memory."""
+        path = self.dir / name / "optimizer.pt"
+        tmp = path.with_suffix(".tmp")
+        try:
+            with self._opt_lock:
+                if self._opt_gen.get(name, 0) != generation:
+                    return
             torch.save(state, tmp)
-            os.replace(tmp, path)
+            with self._opt_lock:
+                if self._opt_gen.get(name, 0) == generation:
+                    os.replace(tmp, path)
+                    return
+            tmp.unlink(missing_ok=True)
+        except Exception:
+            log.exception("could not write the optimizer moments of %s; its next job starts them afresh after a restart", name)
 
     def get(self, job_id: str) -> LearnJob | None:
         return self._jobs.get(job_id)
@@ -270,7 +282,11 @@ class Learner:
     def _thread_idle(self, timeout: float | None = None) -> bool:
         """Wait until no job is queued or running (its after-publish work included); False on timeout."""
         with self._wake:
-            return self._wake.wait_for(lambda: not self._queue and not self._busy, timeout)
+            idle = self._wake.wait_for(lambda: not self._queue and not self._busy, timeout)
+        if idle and self._last_write is not None:
+            concurrent.futures.wait([self._last_write], timeout)
+            idle = self._last_write.done()
+        return idle
 
     def _run(self, job: LearnJob, row: dict) -> None:
         name, started = job.adapter, time.perf_counter()
@@ -311,7 +327,8 @@ class Learner:
             self.store.update_job(job.id, state="done", report=report)
             job.report = report
             job._emit(state="done", version=version, verified=result.verified, report=report)
-            self._save_optimizer(name, result.optimizer_state, generation)
+            # on the writer thread: the next job (a second correction right after this one) starts at once
+            self._last_write = self._writer.submit(self._save_optimizer, name, result.optimizer_state, generation)
         except Exception as e:
             log.exception("learn job %s failed", job.id)
             job.error = f"{type(e).__name__}: {e}"

@@ -155,17 +155,21 @@ def to_device(tensors: list[torch.Tensor], device: torch.device, staging: Stagin
     return out
 
 
-def to_host(tensors: list[torch.Tensor], staging: Staging | None = None) -> list[torch.Tensor]:
-    """Host fp32 copies of device tensors in one transfer; each result owns its storage."""
+def to_host(tensors: list[torch.Tensor], staging: Staging | None = None, own: bool = True) -> list[torch.Tensor]:
+    """Host fp32 copies of device tensors in one transfer. own: each result owns its storage (safetensors refuses
+    tensors that share one); else they are views of one new host tensor (one copy out of the staging buffer)."""
     if not tensors or tensors[0].device.type == "cpu":
         return [t.float().clone() for t in tensors]
     flat = torch.cat([t.reshape(-1).float() for t in tensors])
     host = (staging or Staging()).get(flat.numel())
     host.copy_(flat, non_blocking=True)
     torch.cuda.current_stream(flat.device).synchronize()
+    if not own:
+        host = host.clone()
     out, i = [], 0
     for t in tensors:
-        out.append(host[i:i + t.numel()].view(t.shape).clone())
+        view = host[i:i + t.numel()].view(t.shape)
+        out.append(view.clone() if own else view)
         i += t.numel()
     return out
 
@@ -187,7 +191,7 @@ def _state_to_device(optimizer_state: dict, device: torch.device, staging: Stagi
 
 def _state_to_host(state: dict, staging: Staging | None = None) -> dict:
     where = _state_tensors(state)
-    host = to_host([state[k][n] for k, n in where], staging)
+    host = to_host([state[k][n] for k, n in where], staging, own=False)  # torch.save keeps a shared storage once
     out = {k: {n: v.cpu() if torch.is_tensor(v) else v for n, v in s.items() if not torch.is_tensor(v) or v.dim() == 0
                or v.dtype != torch.float32} for k, s in state.items()}
     for (k, n), t in zip(where, host):
