@@ -102,6 +102,9 @@ class LearnConfig:
                                      # recomputes the layer in backward (activation checkpointing); 0: always, -1: never.
                                      # Measured on a 7B (H200): a pass keeps ~6.6 MiB a token without it (384 tokens:
                                      # 2.6 GiB), ~0.23 MiB with it (4096 tokens: 1.9 GiB), for ~80 ms more a step
+    micro_tokens: int = 2048         # a training batch of more tokens than this runs as parts of at most this many,
+                                     # each part's backward right after its forward: one part's activations at a
+                                     # time (a 2 x 2048 batch then holds half); -1: never split
     logits_chunk: int = 128          # rows of logits ([rows, vocabulary] in fp32) made at once for the loss: 256 rows
                                      # of a 152k vocabulary and their backward take ~0.6 GiB, 1024 rows ~2.4 GiB
 
@@ -116,6 +119,8 @@ class LearnConfig:
         _check(isinstance(self.checkpoint_tokens, int) and self.checkpoint_tokens >= -1,
                "checkpoint_tokens must be an integer >= -1 (0: always checkpoint, -1: never)")
         _check(isinstance(self.logits_chunk, int) and self.logits_chunk >= 1, "logits_chunk must be a positive integer")
+        _check(isinstance(self.micro_tokens, int) and (self.micro_tokens >= 1 or self.micro_tokens == -1),
+               "micro_tokens must be a positive integer, or -1 (never split a training batch)")
         self.anchor_prompts = tuple(self.anchor_prompts)
         _check(all(isinstance(p, str) and p.strip() for p in self.anchor_prompts), "anchor_prompts must be non-empty strings")
         if not self.anchor_prompts:

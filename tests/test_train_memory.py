@@ -3,6 +3,8 @@ chunks of rows, and LoRA in the activations' precision give the results of the p
 random Qwen2 (fp32 on the CPU); the bytes autograd keeps for backward show the saving is real."""
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -203,6 +205,44 @@ def test_checkpointed_training_trains_the_same_weights(llm):
         assert remat.losses == pytest.approx(plain.losses, rel=1e-5, abs=1e-6)
         assert distance(remat.weights, chunked.weights, start) < 1e-6, kind  # recomputing changes no arithmetic
         assert distance(remat.weights, plain.weights, start) < 1e-4, kind    # logsumexp in chunks: rounding only
+
+
+def test_micro_batched_training_trains_the_same_weights(llm):
+    """A batch split into parts (each part's backward right after its forward, the anchors with the last part)
+    takes the same steps as the batch in one pass: same losses, same weights within rounding, with DPO too."""
+    tr = llm.learner.trainer
+    model = tr.model
+    examples = [{"messages": CONVS[0], "rejected": "blorp"}, {"messages": CONVS[1]}]
+    results = {}
+    for micro in (-1, 1):  # 1 token: every item its own part
+        cfg = LearnConfig(max_steps=2, min_steps=2, micro_tokens=micro).validate()
+        items = tr.build_items(examples, [], "sft", cfg)
+        picked = tr._pick([i for i in items if i.kind == "sft"], cfg.batch_size, random.Random(0))
+        assert (len(tr._micro_batches(picked, micro)) > 1) == (micro > 0)
+        start = AdapterWeights.init(LoraConfig().validate(), model.config.projection_shapes(), model.config.num_layers)
+        results[micro] = tr.train(start, None, items, cfg)
+    whole, parts = results[-1], results[1]
+    assert whole.steps == parts.steps == 2
+    assert parts.losses == pytest.approx(whole.losses, rel=1e-5, abs=1e-6)
+    num = sum(float((g - w).square().sum()) for k in whole.weights.tensors
+              for g, w in zip(parts.weights.tensors[k], whole.weights.tensors[k]))
+    den = sum(float((w - s).square().sum()) for k in whole.weights.tensors
+              for w, s in zip(whole.weights.tensors[k], start.tensors[k]))
+    assert (num / den) ** 0.5 < 1e-4
+
+
+def test_micro_batches_split_by_tokens():
+    from dark.learn.data import Rendered
+    from dark.learn.trainer import Item, Trainer
+
+    items = [Item(Rendered(list(range(n)), [-100] * n), "sft") for n in (5, 7, 3, 9, 2)]
+    sizes = lambda groups: [[len(i.rendered.input_ids) for i in g] for g in groups]  # noqa: E731
+    assert sizes(Trainer._micro_batches(items, -1)) == [[5, 7, 3, 9, 2]]
+    assert sizes(Trainer._micro_batches(items, 100)) == [[5, 7, 3, 9, 2]]
+    assert sizes(Trainer._micro_batches(items, 12)) == [[5, 7], [3, 9], [2]]
+    assert sizes(Trainer._micro_batches(items, 4)) == [[5], [7], [3], [9], [2]]  # an item alone may be longer
+    with pytest.raises(InvalidRequestError, match="micro_tokens"):
+        LearnConfig(micro_tokens=0).validate()
 
 
 def test_checkpoint_settings_are_validated():

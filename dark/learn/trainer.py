@@ -396,7 +396,24 @@ class Trainer:
             with self._step_stream():
                 # every check describes the weights as they are now, before this step's update: stop with them
                 batch = self._pick(sft, cfg.batch_size, rng)
-                loss_total, verified, kept = self._sft_and_anchor_losses(batch, anchors, lora, cfg)
+                groups = self._micro_batches(batch, cfg.micro_tokens)
+                if len(groups) > 1:
+                    # a long batch in parts, each part's backward right after its forward (gradients add up):
+                    # only one part's activations at a time. The check comes after the backward passes here, so
+                    # the last step's gradients are computed and dropped
+                    opt.zero_grad(set_to_none=True)
+                    loss_total, verified, kept = 0.0, 0.0, True
+                    for g, group in enumerate(groups):
+                        last = g == len(groups) - 1
+                        loss_g, worst_g, kept_g = self._sft_and_anchor_losses(
+                            group, anchors if last else [], lora, cfg, sft_weight=len(group) / len(batch))
+                        loss_g.backward()
+                        loss_total = loss_total + loss_g.detach()
+                        verified, kept = max(verified, worst_g), kept and kept_g
+                    backward_done = True
+                else:
+                    loss_total, verified, kept = self._sft_and_anchor_losses(batch, anchors, lora, cfg)
+                    backward_done = False
                 verified = verified <= threshold
                 if prefs:
                     pref, forgotten = self._pref_loss(prefs, lora, cfg)
@@ -409,8 +426,11 @@ class Trainer:
                     verified, kept = self._confirm(batch, anchors, lora, threshold)
                 if (verified and kept and step >= cfg.min_steps) or step >= cfg.max_steps:
                     break
-                opt.zero_grad(set_to_none=True)
-                loss_total.backward()
+                if not backward_done:
+                    opt.zero_grad(set_to_none=True)
+                    loss_total.backward()
+                elif prefs:
+                    (cfg.dpo_weight * pref).backward()
                 torch.nn.utils.clip_grad_norm_(flat, cfg.max_grad_norm)
                 opt.step()
                 if protector is not None:
@@ -460,11 +480,29 @@ class Trainer:
         a, b = self._token_logprobs(first, lora, cfg), self._token_logprobs(second, lora, cfg, full_from=0)
         return torch.cat([a[0], b[0]]), torch.cat([a[1], b[1] + len(first)]), torch.cat([a[2], b[2]]), b[3]
 
-    def _sft_and_anchor_losses(self, batch: list[Item], anchors: list[Item], lora, cfg: LearnConfig):
+    @staticmethod
+    def _micro_batches(batch: list[Item], budget: int) -> list[list[Item]]:
+        """The batch in consecutive parts of at most `budget` tokens each (an item alone may be longer); one part
+        when it all fits or budget < 0."""
+        if budget < 0 or sum(len(i.rendered.input_ids) for i in batch) <= budget:
+            return [batch]
+        groups, size = [[]], 0
+        for item in batch:
+            n = len(item.rendered.input_ids)
+            if groups[-1] and size + n > budget:
+                groups.append([])
+                size = 0
+            groups[-1].append(item)
+            size += n
+        return groups
+
+    def _sft_and_anchor_losses(self, batch: list[Item], anchors: list[Item], lora, cfg: LearnConfig,
+                               sft_weight: float = 1.0):
         """One forward pass over the taught items and the anchors (they share the template's prefix).
 
         Returns (loss, the worst negative log-probability of a taught token among the items checked for
-        verification (0 when none), whether every anchor's greedy choices are unchanged).
+        verification (0 when none), whether every anchor's greedy choices are unchanged). sft_weight scales the
+        taught items' mean (a part of a batch weighs its share of the batch's examples).
         """
         if not batch and not anchors:
             return torch.zeros((), device=self.device), 0.0, True
@@ -476,7 +514,7 @@ class Trainer:
             nll, who = -chosen[taught], owner[taught]
             # each example counts the same, whatever its length
             count = torch.zeros(nb, device=self.device).index_add(0, who, torch.ones_like(nll))
-            loss = (torch.zeros(nb, device=self.device).index_add(0, who, nll) / count.clamp(min=1)).mean()
+            loss = sft_weight * (torch.zeros(nb, device=self.device).index_add(0, who, nll) / count.clamp(min=1)).mean()
             checked = torch.tensor([i.verify for i in batch], device=self.device)[who]
             if bool(checked.any()):
                 worst = nll.detach()[checked].max().item()
