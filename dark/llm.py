@@ -77,11 +77,17 @@ class OnlineLLM:
         self.data_dir = Path(data_dir) if data_dir else dark_home() / "data" / self.model_path.name
         self.store = Store(self.data_dir / "dark.db")
         self.learner = Learner(self, self.store, self.data_dir / "adapters", learn_config)
+        self.engine.adapters.loader = self._load_version
         self._restore_adapters()
         self.learner.start()
         resumed = self.learner.resume()
         if resumed:
             log.info("resuming %d learn jobs accepted before the last shutdown", len(resumed))
+
+    def _load_version(self, name: str, version: int) -> AdapterWeights:
+        """A version's factors from its folder (the adapter manager's loader for versions it evicted)."""
+        rows = {v["version"]: v for v in self.store.list_versions(name)}
+        return AdapterWeights.load(Path(rows[version]["path"]))
 
     def _restore_adapters(self) -> None:
         """Every stored adapter comes back at its current version (other versions load when asked for)."""
@@ -97,7 +103,8 @@ class OnlineLLM:
         rows = {v["version"]: v for v in self.store.list_versions(name)}
         if version not in rows:
             raise UnknownAdapterError(f"adapter {name!r} has no version {version}; versions: {sorted(rows)}")
-        mgr.publish(name, version, AdapterWeights.load(Path(rows[version]["path"])), make_current=make_current)
+        mgr.publish(name, version, AdapterWeights.load(Path(rows[version]["path"])), make_current=make_current,
+                    stored=True)
 
     def _eos_ids(self) -> set[int]:
         ids = set()

@@ -114,3 +114,31 @@ def test_unknown_adapter_is_a_clear_error(setup):
         llm.generate("hi", adapter="nope")
     with pytest.raises(Exception, match="not a PEFT LoRA folder"):
         llm.load_adapter("c", "/nonexistent")
+
+
+def test_old_versions_leave_host_memory_and_come_back(tiny_models, tmp_path):
+    """Only the newest versions (and the current one) keep their factors in host memory; an evicted version is
+    read back from its folder when a request, a rollback or a learn job needs it, with the same factors."""
+    base = tiny_models["qwen2"]
+    folders = [make_peft_adapter(base, tmp_path / f"v{i}", 10 + i, ["q_proj", "down_proj"], r=4) for i in range(5)]
+    with OnlineLLM(str(base), block_size=8, max_num_seqs=4, data_dir=tmp_path / "data") as llm:
+        mgr = llm.engine.adapters
+        mgr.keep_in_memory = 2
+        for i, folder in enumerate(folders):
+            assert llm.load_adapter("skill", folder) == i + 1
+        assert mgr.versions("skill") == [1, 2, 3, 4, 5]
+        assert mgr.loaded_versions("skill") == [4, 5]
+        want = AdapterWeights.load(folders[0])
+        latest = llm.complete(PROMPTS[0], adapter="skill", max_tokens=8, ignore_eos=True)
+        llm.rollback("skill", 1)  # an evicted version: back from its folder, and kept while current
+        first = llm.complete(PROMPTS[0], adapter="skill", max_tokens=8, ignore_eos=True)
+        assert latest.adapter == ("skill", 5) and first.adapter == ("skill", 1)
+        assert first.token_ids != latest.token_ids
+        got = mgr.weights("skill", 1)
+        for key, (a, b) in want.tensors.items():
+            assert torch.equal(got.tensors[key][0], a) and torch.equal(got.tensors[key][1], b)
+        assert 1 in mgr.loaded_versions("skill") and len(mgr.loaded_versions("skill")) <= 3
+        mgr.weights("skill", 3)  # looked up: loaded for the moment, then trimmed again
+        assert len(mgr.loaded_versions("skill")) <= 4
+        llm.rollback("skill", 5)
+        assert llm.complete(PROMPTS[0], adapter="skill", max_tokens=8, ignore_eos=True).token_ids == latest.token_ids

@@ -178,7 +178,7 @@ class Learner:
         self.store.add_adapter_version(name, version, str(path), parent_version=parent, report=report)
         if marks is not None:
             marks["saved"] = time.perf_counter()
-        self.llm.engine.adapters.publish(name, version, weights)
+        self.llm.engine.adapters.publish(name, version, weights, stored=True)
         if marks is not None:
             marks["published"] = time.perf_counter()
 

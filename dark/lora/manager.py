@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from typing import Callable
 
 from ..errors import UnknownAdapterError
 from .slots import AdapterSlots
@@ -17,9 +18,16 @@ AdapterKey = tuple[str, int]
 
 
 class AdapterManager:
-    def __init__(self, slots: AdapterSlots):
+    def __init__(self, slots: AdapterSlots, keep_in_memory: int = 3):
         self.slots = slots
+        # host copies of the versions: every registered version is known, the newest `keep_in_memory` of each
+        # adapter and its current one stay loaded (a 7B adapter is ~160 MB a version: a server taking hundreds
+        # of corrections must not keep them all), and `loader` brings an evicted one back from its folder
         self._versions: dict[str, dict[int, AdapterWeights]] = {}
+        self._known: dict[str, set[int]] = {}
+        self._stored: set[AdapterKey] = set()
+        self.keep_in_memory = keep_in_memory
+        self.loader: Callable[[str, int], AdapterWeights] | None = None
         self._current: dict[str, int] = {}
         self._lock = threading.RLock()
         self._slot_of: "OrderedDict[AdapterKey, int]" = OrderedDict()  # least recently used first
@@ -27,15 +35,21 @@ class AdapterManager:
         self._free = list(range(slots.num_slots))
 
     # --- registry (any thread) ---
-    def publish(self, name: str, version: int, weights: AdapterWeights, make_current: bool = True) -> None:
+    def publish(self, name: str, version: int, weights: AdapterWeights, make_current: bool = True,
+                stored: bool = False) -> None:
+        """stored: the version is also in its folder, so its host copy may be evicted and loaded again."""
         with self._lock:
             self._versions.setdefault(name, {})[version] = weights
+            self._known.setdefault(name, set()).add(version)
+            if stored:
+                self._stored.add((name, version))
             if make_current or name not in self._current:
                 self._current[name] = version
+            self._trim(name)
 
     def set_current(self, name: str, version: int) -> None:
         with self._lock:
-            if version not in self._versions.get(name, {}):
+            if version not in self._known.get(name, set()):
                 raise UnknownAdapterError(f"adapter {name!r} has no version {version}; versions: {self.versions(name)}")
             self._current[name] = version
 
@@ -43,6 +57,8 @@ class AdapterManager:
         with self._lock:
             self._require(name)
             del self._versions[name]
+            del self._known[name]
+            self._stored = {k for k in self._stored if k[0] != name}
             del self._current[name]
             for key in [k for k in self._slot_of if k[0] == name and self._refs[self._slot_of[k]] == 0]:
                 self._free.append(self._slot_of.pop(key))
@@ -51,14 +67,13 @@ class AdapterManager:
         with self._lock:
             self._require(name)
             version = self._current[name] if version is None else version
-            if version not in self._versions[name]:
+            if version not in self._known[name]:
                 raise UnknownAdapterError(f"adapter {name!r} has no version {version}; versions: {self.versions(name)}")
             return name, version
 
     def weights(self, name: str, version: int | None = None) -> AdapterWeights:
         with self._lock:
-            name, version = self.resolve(name, version)
-            return self._versions[name][version]
+            return self._get(*self.resolve(name, version))
 
     def names(self) -> list[str]:
         with self._lock:
@@ -66,7 +81,27 @@ class AdapterManager:
 
     def versions(self, name: str) -> list[int]:
         with self._lock:
+            return sorted(self._known.get(name, set()))
+
+    def loaded_versions(self, name: str) -> list[int]:
+        """The versions whose factors are in host memory now."""
+        with self._lock:
             return sorted(self._versions.get(name, {}))
+
+    def _get(self, name: str, version: int) -> AdapterWeights:
+        loaded = self._versions[name]
+        if version not in loaded:
+            loaded[version] = self.loader(name, version)  # only evicted versions are missing, and only with a loader
+            self._trim(name, keep=version)
+        return loaded[version]
+
+    def _trim(self, name: str, keep: int | None = None) -> None:
+        if self.loader is None:
+            return  # nothing can be brought back: keep everything
+        loaded = self._versions[name]
+        stay = set(sorted(loaded)[-self.keep_in_memory:]) | {self._current[name]} | ({keep} if keep is not None else set())
+        for v in [v for v in loaded if v not in stay and (name, v) in self._stored]:
+            del loaded[v]
 
     def current(self, name: str) -> int:
         with self._lock:
@@ -89,7 +124,7 @@ class AdapterManager:
                 slot = self._take_slot()
                 if slot is None:
                     return None
-                self.slots.load(slot, self._versions[key[0]][key[1]])
+                self.slots.load(slot, self._get(*key))
                 self._slot_of[key] = slot
             self._refs[slot] += 1
             return slot
