@@ -29,10 +29,10 @@ import torch.utils.checkpoint
 
 from ..config import LearnConfig
 from ..engine.attention import SharedPrefixAttention
+from ..lora.slots import MEMBERS
 from ..lora.weights import AdapterWeights
 from ..models.decoder import CausalLM
 from .data import Rendered, render, rewordings
-from ..lora.slots import MEMBERS
 from .protect import Protector
 
 log = logging.getLogger(__name__)
@@ -146,11 +146,7 @@ def to_device(tensors: list[torch.Tensor], device: torch.device, staging: Stagin
     total = sum(t.numel() for t in tensors)
     host = (staging or Staging()).get(total)
     torch.cat([t.reshape(-1).float() for t in tensors], out=host)
-    flat = host.to(device, non_blocking=True)
-    out, i = [], 0
-    for t in tensors:
-        out.append(flat[i:i + t.numel()].view(t.shape).clone())
-        i += t.numel()
+    out = _unflatten(host.to(device, non_blocking=True), tensors, own=True)
     torch.cuda.current_stream(device).synchronize()  # the staging buffer may be refilled as soon as this returns
     return out
 
@@ -164,11 +160,14 @@ def to_host(tensors: list[torch.Tensor], staging: Staging | None = None, own: bo
     host = (staging or Staging()).get(flat.numel())
     host.copy_(flat, non_blocking=True)
     torch.cuda.current_stream(flat.device).synchronize()
-    if not own:
-        host = host.clone()
+    return _unflatten(host if own else host.clone(), tensors, own)
+
+
+def _unflatten(flat: torch.Tensor, like: list[torch.Tensor], own: bool) -> list[torch.Tensor]:
+    """flat cut back into tensors shaped as `like`: clones each owning its storage, or views of flat."""
     out, i = [], 0
-    for t in tensors:
-        view = host[i:i + t.numel()].view(t.shape)
+    for t in like:
+        view = flat[i:i + t.numel()].view(t.shape)
         out.append(view.clone() if own else view)
         i += t.numel()
     return out
@@ -288,7 +287,8 @@ class Trainer:
         if energy not in self._protectors:
             ctx = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
             with ctx, torch.inference_mode(False), torch.no_grad():
-                # kept in the serving precision (bf16 on a GPU: ~1.4 GB for a 7B model), used in fp32
+                # kept in the serving precision (bf16 on a GPU: ~1.3 GB for a 7B model, ~1 GB of it in pinned
+                # host memory, dark.learn.protect.HOST_BASES), used in fp32
                 dtype = self.model.lm_head.weight.dtype
                 self._protectors[energy] = Protector(energy).fit(self.model, self.tokenizer, self.device, dtype)
         return self._protectors[energy]
