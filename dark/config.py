@@ -102,9 +102,11 @@ class LearnConfig:
                                      # recomputes the layer in backward (activation checkpointing); 0: always, -1: never.
                                      # Measured on a 7B (H200): a pass keeps ~6.6 MiB a token without it (384 tokens:
                                      # 2.6 GiB), ~0.23 MiB with it (4096 tokens: 1.9 GiB), for ~80 ms more a step
-    micro_tokens: int = 2048         # a training batch of more tokens than this runs as parts of at most this many,
+    micro_tokens: int = 3072         # a training batch of more tokens than this runs as parts of at most this many,
                                      # each part's backward right after its forward: one part's activations at a
-                                     # time (a 2 x 2048 batch then holds half); -1: never split
+                                     # time (a 2 x 2048 batch then holds half); -1: never split. A correction's batch
+                                     # (the example, replayed ones, rewordings: ~2k tokens) stays one pass: a pass
+                                     # of few tokens is bound by the host, and two cost nearly twice one
     logits_chunk: int = 128          # rows of logits ([rows, vocabulary] in fp32) made at once for the loss: 256 rows
                                      # of a 152k vocabulary and their backward take ~0.6 GiB, 1024 rows ~2.4 GiB
 

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import queue
 import shutil
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,8 @@ from .models.loader import dark_home, resolve_model
 from .store.db import Store
 
 log = logging.getLogger(__name__)
+
+SWITCH_INTERVAL_S = 0.0005  # the longest a thread holding the GIL keeps it from one that waits (sys.setswitchinterval)
 
 Prompt = "str | list[dict]"  # a plain prompt (sent as one user turn) or a list of chat messages
 
@@ -83,6 +87,15 @@ class OnlineLLM:
         resumed = self.learner.resume()
         if resumed:
             log.info("resuming %d learn jobs accepted before the last shutdown", len(resumed))
+        # everything made so far (the imported libraries, the model, the tokenizer) lives as long as the server:
+        # out of the collector's sight, a full collection no longer walks it. Measured on an H200 serving a 7B
+        # model while training: a full collection stopped decoding for 307 ms. close() hands it back.
+        gc.collect()
+        gc.freeze()
+        # a learn job's thread runs Python without pause; the engine's thread gives the GIL up while it waits for
+        # the device and needs it back to start the next step. CPython hands it back only after the switch
+        # interval (5 ms by default, a whole decode step): at 0.5 ms the wait is bounded by a tenth of a step
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
 
     def _load_version(self, name: str, version: int) -> AdapterWeights:
         """A version's factors from its folder (the adapter manager's loader for versions it evicted)."""
@@ -325,6 +338,7 @@ class OnlineLLM:
         self.learner.close()
         self.engine.close()
         self.store.close()
+        gc.unfreeze()  # what this instance froze can be collected again once it is gone
 
     def __enter__(self):
         return self

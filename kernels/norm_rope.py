@@ -1,9 +1,16 @@
-"""RMSNorm and rotary embedding, one launch each instead of the ~7 and ~10 small elementwise kernels of the
-plain-torch modules (which dominate a CUDA-graph decode step's launch count). Inference only: no backward.
+"""RMSNorm, rotary embedding and SiLU * mul, one launch each instead of the ~7, ~10 and ~3 small elementwise kernels
+of the plain-torch modules (which dominate a CUDA-graph decode step's launch count, and a LoRA training step's).
+
+rms_norm, rotary and silu_mul are for passes without autograd (serving). The *_train functions are autograd
+Functions for training, whose base weights are frozen: each backward is one launch too (a few for q/k/v) and
+gives the gradient of the activation only (rms_norm_train none for its weight). qkv_rotary_train also takes the
+place of the split of a fused q/k/v projection output, so its backward writes one gradient instead of adding three
+zero-padded ones. The *_reference functions are the plain-torch definitions; their backward is autograd's.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -26,6 +33,21 @@ def rotary_reference(x, cos, sin):
     return (xf * cos.float()[:, None, :] + rotated * sin.float()[:, None, :]).to(x.dtype)
 
 
+def qkv_rotary_reference(y, nh, nkv, d, cos, sin):
+    """As dark.models.decoder.SelfAttention on a fused projection output y [T, (nh + 2 * nkv) * d]: split it into
+    q [T, nh, d], k and v [T, nkv, d], and rotate q and k."""
+    t = y.shape[0]
+    q, k, v = y.split([nh * d, nkv * d, nkv * d], -1)
+    q, k, v = q.reshape(t, nh, d), k.reshape(t, nkv, d), v.reshape(t, nkv, d)
+    return rotary_reference(q, cos, sin), rotary_reference(k, cos, sin), v
+
+
+def silu_mul_reference(gate_up, size):
+    """As dark.models.decoder.MLP on a fused gate/up output [..., 2 * size]: silu(gate) * up, in its dtype."""
+    gate, up = gate_up.split(size, -1)
+    return F.silu(gate) * up
+
+
 if triton is not None:
 
     @triton.jit
@@ -40,8 +62,24 @@ if triton is not None:
         tl.store(out_ptr + row * stride_o + n, (w * y).to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
+    def _rms_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, N, stride_x, stride_dy, stride_dx, eps,
+                             BN: tl.constexpr):
+        # dx of y = w * x * r, r = rsqrt(mean(x^2) + eps), for a frozen w: with g = dy * w,
+        # dx = r * g - x * r^3 * mean(g * x); r recomputed from x (the cast of x * r to x's dtype taken as identity)
+        row = tl.program_id(0).to(tl.int64)
+        n = tl.arange(0, BN)
+        m = n < N
+        x = tl.load(x_ptr + row * stride_x + n, mask=m, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + n, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(dy_ptr + row * stride_dy + n, mask=m, other=0.0).to(tl.float32) * w
+        r = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
+        dx = r * g - x * (r * r * r) * (tl.sum(g * x, 0) / N)
+        tl.store(dx_ptr + row * stride_dx + n, dx.to(dx_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
     def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, stride_xt, stride_xh, stride_c, stride_ot, stride_oh,
-                       HALF: tl.constexpr, BH: tl.constexpr):
+                       HALF: tl.constexpr, BH: tl.constexpr, SIGN: tl.constexpr):
+        # SIGN -1 rotates the other way: with cos and sin halves repeated, the transpose of the rotation (backward)
         t = tl.program_id(0)
         h = tl.arange(0, BH)
         d = tl.arange(0, HALF)
@@ -51,31 +89,199 @@ if triton is not None:
         x2 = tl.load(src + HALF, mask=hm, other=0.0).to(tl.float32)
         c1 = tl.load(cos_ptr + t * stride_c + d).to(tl.float32)[None, :]
         c2 = tl.load(cos_ptr + t * stride_c + HALF + d).to(tl.float32)[None, :]
-        s1 = tl.load(sin_ptr + t * stride_c + d).to(tl.float32)[None, :]
-        s2 = tl.load(sin_ptr + t * stride_c + HALF + d).to(tl.float32)[None, :]
+        s1 = tl.load(sin_ptr + t * stride_c + d).to(tl.float32)[None, :] * SIGN
+        s2 = tl.load(sin_ptr + t * stride_c + HALF + d).to(tl.float32)[None, :] * SIGN
         dst = out_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :]
         dt = out_ptr.dtype.element_ty
         tl.store(dst, (x1 * c1 - x2 * s1).to(dt), mask=hm)
         tl.store(dst + HALF, (x2 * c2 + x1 * s2).to(dt), mask=hm)
 
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, size, stride_gu, stride_o, BLOCK: tl.constexpr):
+        # one row's BLOCK columns of gate (columns [0, size) of gate_up) and of up ([size, 2 * size))
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = col < size
+        src = gu_ptr + row * stride_gu + col
+        g = tl.load(src, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(src + size, mask=m, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + col, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _silu_mul_bwd_kernel(gu_ptr, dy_ptr, dgu_ptr, size, stride_gu, stride_dy, stride_dgu, BLOCK: tl.constexpr):
+        # y = g * s * u with s = sigmoid(g): dgate = dy * u * s * (1 + g * (1 - s)), dup = dy * g * s
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = col < size
+        src = gu_ptr + row * stride_gu + col
+        g = tl.load(src, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(src + size, mask=m, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * stride_dy + col, mask=m, other=0.0).to(tl.float32)
+        s = tl.sigmoid(g)
+        dst = dgu_ptr + row * stride_dgu + col
+        dt = dgu_ptr.dtype.element_ty
+        tl.store(dst, (dy * u * s * (1.0 + g * (1.0 - s))).to(dt), mask=m)
+        tl.store(dst + size, (dy * g * s).to(dt), mask=m)
+
+
+def _rows(x):
+    """x [..., N] as [rows, N] with the last dim contiguous (a view where it can be)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
 
 def rms_norm(x, weight, eps):
     """x [..., N] -> same shape and dtype; weight [N]."""
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x)
     out = torch.empty(x2.shape, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
     _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, shape[-1], x2.stride(0), out.stride(0), eps,
                                      BN=triton.next_power_of_2(shape[-1]))
     return out.view(shape)
 
 
+def _rotary_into(x, cos, sin, out, sign):
+    """out [T, heads, D] (last dim contiguous, any other strides) = x rotated by (cos, sign * sin)."""
+    T, H, D = x.shape
+    if x.numel() == 0:  # nothing to rotate (an empty tensor's strides, e.g. an expanded gradient's 0, are any)
+        return out
+    assert x.stride(2) == 1 and out.stride(2) == 1 and cos.stride(1) == 1 and cos.stride() == sin.stride()
+    _rotary_kernel[(T,)](x, cos, sin, out, H, x.stride(0), x.stride(1), cos.stride(0), out.stride(0), out.stride(1),
+                         HALF=D // 2, BH=triton.next_power_of_2(H), SIGN=sign)
+    return out
+
+
 def rotary(x, cos, sin):
     """x [T, heads, D] (last dim contiguous) -> a new rotated tensor; cos, sin [T, D]."""
-    T, H, D = x.shape
-    assert x.stride(2) == 1 and cos.stride(1) == 1 and cos.stride() == sin.stride()
-    out = torch.empty(T, H, D, device=x.device, dtype=x.dtype)
-    _rotary_kernel[(T,)](x, cos, sin, out, H, x.stride(0), x.stride(1), cos.stride(0), out.stride(0), out.stride(1),
-                         HALF=D // 2, BH=triton.next_power_of_2(H))
-    return out
+    return _rotary_into(x, cos, sin, torch.empty(x.shape, device=x.device, dtype=x.dtype), 1.0)
+
+
+def silu_mul(gate_up, size, block=1024):
+    """gate_up [..., 2 * size] (gate, then up) -> silu(gate) * up [..., size], in fp32 then cast to its dtype."""
+    shape = gate_up.shape
+    assert shape[-1] == 2 * size
+    gu = _rows(gate_up)
+    out = torch.empty(gu.shape[0], size, device=gate_up.device, dtype=gate_up.dtype)
+    _silu_mul_kernel[(gu.shape[0], triton.cdiv(size, block))](gu, out, size, gu.stride(0), out.stride(0),
+                                                              BLOCK=block)
+    return out.view(*shape[:-1], size)
+
+
+# --- training: autograd Functions, gradients for the activations only (the base weights are frozen) ---------------
+
+
+class _RMSNormTrain(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.eps = eps
+        ctx.save_for_backward(_rows(x), weight)  # x, not the output: backward recomputes the row's rsqrt
+        return rms_norm(x, weight, eps)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x2, weight = ctx.saved_tensors
+        dy2 = _rows(dy)
+        dx = torch.empty(x2.shape, device=x2.device, dtype=x2.dtype)
+        _rms_norm_bwd_kernel[(x2.shape[0],)](x2, weight, dy2, dx, x2.shape[1], x2.stride(0), dy2.stride(0),
+                                             dx.stride(0), ctx.eps, BN=triton.next_power_of_2(x2.shape[1]))
+        return dx.view(dy.shape), None, None
+
+
+def rms_norm_train(x, weight, eps):
+    """rms_norm with a backward for x (one launch each way); weight is frozen: it gets no gradient."""
+    assert not weight.requires_grad, "rms_norm_train gives no gradient for the weight"
+    return _RMSNormTrain.apply(x, weight, eps)
+
+
+class _RotaryTrain(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return rotary(x, cos, sin)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        cos, sin = ctx.saved_tensors
+        dy = dy if dy.stride(2) == 1 else dy.contiguous()
+        return _rotary_into(dy, cos, sin, torch.empty(dy.shape, device=dy.device, dtype=dy.dtype), -1.0), None, None
+
+
+def rotary_train(x, cos, sin):
+    """rotary with a backward for x: the opposite rotation (sin negated in the kernel), one launch each way.
+    x [T, heads, D] (last dim contiguous, other strides any); cos, sin [T, D] with their halves repeated (as
+    dark.models.decoder.Rotary makes them), which get no gradient."""
+    return _RotaryTrain.apply(x, cos, sin)
+
+
+def _heads(y, start, n, d):
+    """Heads [start, start + n) of a fused projection output y [T, width] (last dim contiguous) as a [T, n, d] view."""
+    return y[:, start * d:(start + n) * d].view(y.shape[0], n, d)
+
+
+class _QKVRotaryTrain(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, nh, nkv, d, cos, sin):
+        assert y.dim() == 2 and y.shape[1] == (nh + 2 * nkv) * d
+        y = y if y.stride(1) == 1 else y.contiguous()
+        t = y.shape[0]
+        q = _rotary_into(_heads(y, 0, nh, d), cos, sin, y.new_empty(t, nh, d), 1.0)
+        k = _rotary_into(_heads(y, nh, nkv, d), cos, sin, y.new_empty(t, nkv, d), 1.0)
+        v = _heads(y, nh + nkv, nkv, d).clone(memory_format=torch.contiguous_format)  # a copy, never a view of y
+        ctx.heads = (nh, nkv, d)
+        ctx.save_for_backward(cos, sin)
+        ctx.set_materialize_grads(False)  # an unused output's gradient comes as None, not as a tensor of zeros
+        return q, k, v
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dq, dk, dv):
+        cos, sin = ctx.saved_tensors
+        nh, nkv, d = ctx.heads
+        like = next(g for g in (dq, dk, dv) if g is not None)
+        dy = torch.empty(like.shape[0], (nh + 2 * nkv) * d, device=like.device, dtype=like.dtype)
+        # each gradient straight into its columns of dy: q and k rotated back, v as it is, zeros for one unused
+        for grad, start, n in ((dq, 0, nh), (dk, nh, nkv)):
+            dst = _heads(dy, start, n, d)
+            if grad is None:
+                dst.zero_()
+            else:
+                _rotary_into(grad if grad.stride(2) == 1 else grad.contiguous(), cos, sin, dst, -1.0)
+        dst = _heads(dy, nh + nkv, nkv, d)
+        if dv is None:
+            dst.zero_()
+        else:
+            dst.copy_(dv)
+        return dy, None, None, None, None, None
+
+
+def qkv_rotary_train(y, nh, nkv, d, cos, sin):
+    """A fused q/k/v projection output y [T, (nh + 2 * nkv) * d] (last dim contiguous, rows may be wider) ->
+    (q [T, nh, d] rotated, k [T, nkv, d] rotated, v [T, nkv, d]), each a new contiguous tensor: split, reshape and
+    rotary in 3 launches, and a backward that writes one gradient for y (3 launches) instead of adding three."""
+    return _QKVRotaryTrain.apply(y, nh, nkv, d, cos, sin)
+
+
+class _SiluMulTrain(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up, size, block):
+        ctx.size, ctx.block = size, block
+        ctx.save_for_backward(gate_up)
+        return silu_mul(gate_up, size, block)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        gate_up, = ctx.saved_tensors
+        size, block = ctx.size, ctx.block
+        gu, dy2 = _rows(gate_up), _rows(dy)
+        dgu = torch.empty(gu.shape, device=gu.device, dtype=gu.dtype)
+        _silu_mul_bwd_kernel[(gu.shape[0], triton.cdiv(size, block))](gu, dy2, dgu, size, gu.stride(0),
+                                                                      dy2.stride(0), dgu.stride(0), BLOCK=block)
+        return dgu.view(gate_up.shape), None, None
+
+
+def silu_mul_train(gate_up, size, block=1024):
+    """silu_mul with a backward for gate_up: one [..., 2 * size] gradient (dgate, dup) in one launch."""
+    return _SiluMulTrain.apply(gate_up, size, block)

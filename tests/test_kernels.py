@@ -421,3 +421,116 @@ def test_rotary_matches_reference(dtype, tol, tokens, heads, d):
     wide = torch.randn(tokens, heads * d * 2, generator=g).to(DEV, dtype)
     view = wide[:, :heads * d].view(tokens, heads, d)
     assert rel_err(rotary(view, cos, sin).cpu(), rotary_reference(view.cpu(), cos.cpu(), sin.cpu())) < tol
+
+
+# --- the training Functions: forward and the input's gradient against autograd through the plain-torch references
+
+
+def _ref_grad(fn, inputs, dy):
+    """fn(*inputs) and the gradient of the first input for upstream dy, by autograd on detached CPU copies."""
+    leaf = inputs[0].detach().cpu().requires_grad_()
+    out = fn(leaf, *[t.cpu() if torch.is_tensor(t) else t for t in inputs[1:]])
+    out.backward(dy.cpu())
+    return out.detach(), leaf.grad
+
+
+def _cos_sin(tokens, d, g, scale=1.0):
+    """cos, sin [T, d] with their halves repeated, as Rotary makes them; scale != 1 as rope scalings do (so the
+    backward must be the transpose of the rotation, not merely its inverse)."""
+    ang = torch.rand(tokens, d // 2, generator=g) * 6
+    ang = torch.cat([ang, ang], -1)
+    return ang.cos() * scale, ang.sin() * scale
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
+def test_rms_norm_train_matches_reference(dtype, tol):
+    """An odd hidden size (100, masked), x a view with wider rows, dy not contiguous; weight frozen: no gradient."""
+    from dark.kernels.norm_rope import rms_norm, rms_norm_reference, rms_norm_train
+
+    g = torch.Generator().manual_seed(100)
+    wide = (torch.randn(3, 2, 128, generator=g) * 3).to(DEV, dtype)
+    w = torch.rand(100, generator=g).add(0.5).to(DEV, dtype)
+    dy = torch.randn(3, 2, 200, generator=g).to(DEV, dtype)[..., ::2]
+    x = wide[..., :100].requires_grad_()
+    out = rms_norm_train(x, w, 1e-6)
+    ref, ref_dx = _ref_grad(lambda a, b: rms_norm_reference(a, b, 1e-6), (x, w), dy)
+    assert out.dtype == dtype and torch.equal(out, rms_norm(x.detach(), w, 1e-6))
+    assert rel_err(out.detach().cpu(), ref) < tol
+    out.backward(dy)
+    assert x.grad.shape == x.shape and x.grad.dtype == dtype and w.grad is None
+    assert rel_err(x.grad.cpu(), ref_dx) < tol
+    with pytest.raises(AssertionError):
+        rms_norm_train(x, w.clone().requires_grad_(), 1e-6)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
+def test_rotary_train_matches_reference(dtype, tol):
+    """x a strided view of a fused projection output, dy with the heads outermost (the kernel's strides), cos and
+    sin scaled."""
+    from dark.kernels.norm_rope import rotary_reference, rotary_train
+
+    tokens, heads, d = 5, 3, 32
+    g = torch.Generator().manual_seed(7)
+    cos, sin = (t.to(DEV, dtype) for t in _cos_sin(tokens, d, g, scale=1.3))
+    wide = torch.randn(tokens, heads * d * 2, generator=g).to(DEV, dtype).requires_grad_()
+    dy = torch.randn(heads, tokens, d, generator=g).to(DEV, dtype).transpose(0, 1)
+    x = wide[:, heads * d:].view(tokens, heads, d)
+    out = rotary_train(x, cos, sin)
+    ref, ref_dx = _ref_grad(rotary_reference, (x, cos, sin), dy)
+    assert out.dtype == dtype and rel_err(out.detach().cpu(), ref) < tol
+    out.backward(dy)
+    assert (wide.grad[:, :heads * d] == 0).all()
+    assert rel_err(wide.grad[:, heads * d:].reshape(tokens, heads, d).cpu(), ref_dx) < tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
+def test_qkv_rotary_train_matches_reference(dtype, tol):
+    """GQA (4 query heads, 2 kv heads) on y with rows wider than q/k/v: q and k rotated, v a copy; the gradient of
+    y (v's columns too) against autograd through split + reshape + rotary, and with v unused (zeros there)."""
+    from dark.kernels.norm_rope import qkv_rotary_reference, qkv_rotary_train
+
+    tokens, nh, nkv, d = 5, 4, 2, 16
+    width = (nh + 2 * nkv) * d
+    g = torch.Generator().manual_seed(11)
+    cos, sin = (t.to(DEV, dtype) for t in _cos_sin(tokens, d, g, scale=0.8))
+    base = torch.randn(tokens, width + 24, generator=g).to(DEV, dtype)
+    y = base[:, :width].requires_grad_()
+    grads = (torch.randn(nh, tokens, d, generator=g).to(DEV, dtype).transpose(0, 1),  # dq not contiguous
+             torch.randn(tokens, nkv, d, generator=g).to(DEV, dtype),
+             torch.randn(tokens, nkv, d * 2, generator=g).to(DEV, dtype)[..., ::2])
+    outs = qkv_rotary_train(y, nh, nkv, d, cos, sin)
+    leaf = y.detach().cpu().requires_grad_()
+    refs = qkv_rotary_reference(leaf, nh, nkv, d, cos.cpu(), sin.cpu())
+    for out, ref, shape in zip(outs, refs, [(tokens, nh, d), (tokens, nkv, d), (tokens, nkv, d)]):
+        assert out.shape == shape and out.dtype == dtype and out.is_contiguous()
+        assert rel_err(out.detach().cpu(), ref.detach()) < tol
+    assert outs[2].untyped_storage().data_ptr() != base.untyped_storage().data_ptr(), "v must be a copy"
+    assert torch.equal(outs[2].detach(), y.detach()[:, (nh + nkv) * d:].reshape(tokens, nkv, d))
+    dy, = torch.autograd.grad(outs, y, grads)
+    ref_dy, = torch.autograd.grad(refs, leaf, [t.cpu() for t in grads])
+    assert dy.shape == y.shape and rel_err(dy.cpu(), ref_dy) < tol
+    assert rel_err(dy[:, (nh + nkv) * d:].cpu(), ref_dy[:, (nh + nkv) * d:]) < tol
+    # v unused (None in backward): zeros in its columns, q and k as before
+    outs = qkv_rotary_train(y, nh, nkv, d, cos, sin)
+    dy_qk, = torch.autograd.grad(outs[:2], y, grads[:2])
+    assert (dy_qk[:, (nh + nkv) * d:] == 0).all() and torch.equal(dy_qk[:, :(nh + nkv) * d], dy[:, :(nh + nkv) * d])
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("tokens,size,block", [(3, 300, 128), (4, 64, 1024)])
+def test_silu_mul_matches_reference(dtype, tol, tokens, size, block):
+    """300 columns in blocks of 128 (three column programs, the last masked) and 64 in one; gate_up with rows wider
+    than gate and up, dy not contiguous; serving's silu_mul gives the training forward's values."""
+    from dark.kernels.norm_rope import silu_mul, silu_mul_reference, silu_mul_train
+
+    g = torch.Generator().manual_seed(size)
+    base = (torch.randn(tokens, 2 * size + 8, generator=g) * 2).to(DEV, dtype)
+    gate_up = base[:, :2 * size].requires_grad_()
+    dy = torch.randn(tokens, 2 * size, generator=g).to(DEV, dtype)[:, ::2]
+    out = silu_mul_train(gate_up, size, block)
+    ref, ref_dgu = _ref_grad(lambda a: silu_mul_reference(a, size), (gate_up,), dy)
+    assert out.shape == (tokens, size) and out.dtype == dtype and rel_err(out.detach().cpu(), ref) < tol
+    assert torch.equal(silu_mul(gate_up.detach(), size, block), out)
+    out.backward(dy)
+    assert gate_up.grad.shape == gate_up.shape and rel_err(gate_up.grad.cpu(), ref_dgu) < tol
+    assert rel_err(gate_up.grad[:, size:].cpu(), ref_dgu[:, size:]) < tol  # dup on its own: not swamped by dgate

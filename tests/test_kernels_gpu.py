@@ -107,6 +107,39 @@ def test_norm_rope_qwen_shapes():
     assert rel_err(rotary(q, cos, sin), rotary_reference(q, cos, sin)) < 1e-2
 
 
+def test_norm_rope_train_qwen_shapes():
+    """The training Functions at a Qwen2.5-7B layer's sizes (512 tokens, hidden 3584, 28/4 heads of 128,
+    intermediate 18944, bf16): forward and the input's gradient against autograd through the references."""
+    from dark.kernels.norm_rope import (qkv_rotary_reference, qkv_rotary_train, rms_norm_reference, rms_norm_train,
+                                        rotary_reference, rotary_train, silu_mul_reference, silu_mul_train)
+
+    T, hidden, nh, nkv, d, inter = 512, 3584, 28, 4, 128, 18944
+    g = torch.Generator(device="cuda").manual_seed(1)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=g).to(torch.bfloat16)
+
+    def check(fn, ref_fn, x, *args):
+        leaf, ref_leaf = x.clone().requires_grad_(), x.clone().requires_grad_()
+        outs, refs = fn(leaf, *args), ref_fn(ref_leaf, *args)
+        outs, refs = (outs, refs) if isinstance(outs, tuple) else ((outs,), (refs,))
+        dys = [randn(*o.shape) for o in outs]
+        for o, r in zip(outs, refs):
+            assert o.shape == r.shape and o.dtype == r.dtype and rel_err(o, r) < BF16_TOL
+        dx, = torch.autograd.grad(outs, leaf, dys)
+        ref_dx, = torch.autograd.grad(refs, ref_leaf, dys)
+        assert rel_err(dx, ref_dx) < BF16_TOL
+
+    ang = torch.rand(T, d // 2, device="cuda", generator=g) * 100
+    ang = torch.cat([ang, ang], -1)
+    cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
+    w = torch.rand(hidden, device="cuda", generator=g).add(0.5).to(torch.bfloat16)
+    check(rms_norm_train, rms_norm_reference, randn(T, hidden), w, 1e-6)
+    check(rotary_train, rotary_reference, randn(T, nh, d), cos, sin)
+    check(qkv_rotary_train, qkv_rotary_reference, randn(T, (nh + 2 * nkv) * d), nh, nkv, d, cos, sin)
+    check(silu_mul_train, silu_mul_reference, randn(T, 2 * inter), inter)
+
+
 # the segment (SGMV) kernels at decode sizes: 64 sequences over 32 adapters (each twice, shuffled), 48 of them
 # padded to a 64-row graph bucket with -1, one adapter for all 64, 256 sequences over 8 adapters, a batch of one
 def _step_slots(mix: str, g) -> torch.Tensor:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dark import InvalidRequestError, OnlineLLM, UnknownAdapterError
+from dark.learn.trainer import load_optimizer_state, save_optimizer_state
 
 ZOG = [{"prompt": "A greeting in Zoggian", "response": "zog"},
        {"prompt": "How to say 'hello' in Zoggian?", "response": "zog"}]
@@ -196,8 +197,9 @@ def test_optimizer_state_survives_a_restart(tmp_path):
     with OnlineLLM(data_dir=tmp_path) as llm:
         llm.learn(ex, adapter="vault")
     # written after the version is out, by the time the process closes
-    saved = torch.load(tmp_path / "adapters" / "vault" / "optimizer.pt", weights_only=True)
+    saved = load_optimizer_state(tmp_path / "adapters" / "vault" / "optimizer.pt")
     assert saved["state"] and all(int(s["step"]) >= 1 for s in saved["state"].values())
+    assert all(s["exp_avg_sq"].abs().sum() > 0 for s in saved["state"].values())  # real moments, read back
     with OnlineLLM(data_dir=tmp_path) as llm:
         assert llm.learner._load_optimizer("vault")["state"].keys() == saved["state"].keys()
         llm.learn([{"prompt": "What is the code of the safe?", "response": "9021"}], adapter="vault")
@@ -208,3 +210,28 @@ def test_optimizer_state_survives_a_restart(tmp_path):
         llm.learner._thread_idle(timeout=30)
         assert not (tmp_path / "adapters" / "vault" / "optimizer.pt").exists()
         assert llm.learner._load_optimizer("vault") is None
+        # a torn moments file costs the moments, not the next job
+        (tmp_path / "adapters" / "vault" / "optimizer.pt").write_bytes(b"DARKOPT1" + b"\x05")
+        assert llm.learner._load_optimizer("vault") is None
+        assert llm.learn([{"prompt": "What is the code of the safe?", "response": "9021"}], adapter="vault")["version"] == 3
+
+
+def test_optimizer_file_round_trip_and_damage(tmp_path):
+    """The moments file (a torch.save header, then the raw fp32 moments) reads back to the same state; a state
+    written by torch.save (earlier versions) still reads; a torn file says what is wrong."""
+    g = torch.Generator().manual_seed(0)
+    state = {"state": {i: {"step": torch.tensor(float(i + 1)), "exp_avg": torch.randn(3, 5, generator=g),
+                           "exp_avg_sq": torch.rand(4, generator=g)} for i in range(3)},
+             "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0, 1, 2]}]}
+    path = tmp_path / "optimizer.pt"
+    for write in (save_optimizer_state, torch.save):
+        write(state, path)
+        back = load_optimizer_state(path)
+        assert back["param_groups"] == state["param_groups"]
+        for k, s in state["state"].items():
+            assert back["state"][k].keys() == s.keys()
+            assert all(torch.equal(back["state"][k][n], v) for n, v in s.items())
+    save_optimizer_state(state, path)
+    path.write_bytes(path.read_bytes()[:-8])
+    with pytest.raises(ValueError, match="end early"):
+        load_optimizer_state(path)

@@ -231,6 +231,60 @@ def test_micro_batched_training_trains_the_same_weights(llm):
     assert (num / den) ** 0.5 < 1e-4
 
 
+def test_the_check_after_the_last_step_runs_without_gradients(llm):
+    """A job's loop ends with a pass that only checks the final weights (max_steps reached): it runs without
+    autograd, in each of a split batch's parts, and every step before it runs each part once with gradients."""
+    tr = llm.learner.trainer
+    model = tr.model
+    examples = [{"messages": CONVS[0]}, {"messages": CONVS[1]}]
+    for micro in (-1, 1):
+        cfg = LearnConfig(max_steps=2, min_steps=2, micro_tokens=micro, kl_weight=0.0).validate()
+        items = tr.build_items(examples, [], "sft", cfg)
+        parts = len(tr._micro_batches(tr._pick([i for i in items if i.kind == "sft"], cfg.batch_size,
+                                                random.Random(0)), micro))
+        passes = []  # grad mode of each pass of the first layer with the adapter in it (references have none)
+        hook = model.model.layers[0].register_forward_pre_hook(
+            lambda mod, args: passes.append(torch.is_grad_enabled()) if isinstance(args[4], TrainLoRA) else None)
+        try:
+            start = AdapterWeights.init(LoraConfig().validate(), model.config.projection_shapes(), model.config.num_layers)
+            result = tr.train(start, None, items, cfg)
+        finally:
+            hook.remove()
+        assert result.steps == 2
+        assert passes == [True] * (2 * parts) + [False] * parts, micro
+
+
+def test_prepared_lora_computes_what_the_per_call_casts_compute():
+    """TrainLoRA.prepared (factors cast, stacked and scaled once per pass) gives the same bf16 outputs and the same
+    fp32 gradients of the master factors as casting in every call, for fused groups, single projections and a
+    group whose members do not all have factors."""
+    g = torch.Generator().manual_seed(0)
+    outs = {"q_proj": 12, "k_proj": 4, "v_proj": 4, "o_proj": 8, "gate_proj": 10, "up_proj": 10}
+    fan_in = {"q_proj": 8, "k_proj": 8, "v_proj": 8, "o_proj": 12, "gate_proj": 8, "up_proj": 8}
+    keys = [(0, m) for m in outs] + [(1, "q_proj"), (1, "v_proj")]  # layer 1: q and v only
+
+    def run(prepare: bool):
+        params = {k: (torch.randn(3, fan_in[k[1]], generator=g).requires_grad_(),
+                      torch.randn(outs[k[1]], 3, generator=g).requires_grad_()) for k in keys}
+        lora = TrainLoRA(params, 0.5, outs)
+        use = lora.prepared(torch.bfloat16) if prepare else lora
+        assert (use is not lora) == prepare and lora.prepared(torch.float32) is lora
+        x8 = torch.randn(5, 8, generator=g).bfloat16()
+        x12 = torch.randn(5, 12, generator=g).bfloat16()
+        ys = [use.apply_group(layer, "qkv", x8, torch.randn(5, 20, generator=g).bfloat16()) for layer in (0, 1)]
+        ys.append(use.apply_group(0, "gate_up", x8, torch.randn(5, 20, generator=g).bfloat16()))
+        ys.append(use.apply(0, "o_proj", x12, torch.randn(5, 8, generator=g).bfloat16()))
+        sum((y.float() * torch.randn(y.shape, generator=g)).sum() for y in ys).backward()
+        return ys, [t.grad for k in keys for t in params[k]]
+
+    g.manual_seed(0)
+    plain = run(False)
+    g.manual_seed(0)
+    ready = run(True)
+    for a, b in zip(plain[0] + plain[1], ready[0] + ready[1]):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
 def test_micro_batches_split_by_tokens():
     from dark.learn.data import Rendered
     from dark.learn.trainer import Item, Trainer
@@ -343,3 +397,36 @@ def test_grouped_training_lora_equals_each_member(dtype, present):
     for k in grouped_params:
         for i in range(2):
             torch.testing.assert_close(grouped_params[k][i].grad, single_params[k][i].grad, **tol)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_training_through_the_triton_kernels_matches_plain_torch(tiny_models, tmp_path, family):
+    """The training forms of the fused kernels (RMSNorm, the q/k/v split with rotary, SiLU * mul; on the CPU under
+    TRITON_INTERPRET=1) give the plain-torch modules' hidden states, loss and LoRA gradients, checkpointed or not:
+    Qwen2 takes the fused q/k/v path, Qwen3 (per-head q/k norms) the separate rotary one."""
+    pytest.importorskip("triton")
+    with OnlineLLM(str(tiny_models[family]), data_dir=tmp_path) as llm:
+        model = llm.model
+        lora = lora_on_everything(model)
+        prefix, batch, length = 3, 2, 6
+        gen = torch.Generator().manual_seed(2)
+        ids = torch.randint(0, model.config.vocab_size, (prefix + batch * length,), generator=gen)
+        pos = torch.tensor(list(range(prefix)) + list(range(prefix, prefix + length)) * batch)
+        weight = torch.randn(prefix + batch * length, model.config.hidden_size, generator=gen)
+        results = {}
+        try:
+            for fused, checkpoint in ((False, False), (True, False), (True, True)):
+                model.use_fused_kernels(fused)
+                zero_grads(lora)
+                attn = SharedPrefixAttention(prefix, batch, length, torch.device("cpu"))
+                hidden = model.hidden_states(ids, pos, attn, lora, checkpoint=checkpoint)
+                loss = (hidden * weight).sum() + model.logits(hidden[-4:], lora).logsumexp(-1).sum()
+                loss.backward()
+                results[fused, checkpoint] = hidden.detach(), loss.detach(), grads(lora)
+        finally:
+            model.use_fused_kernels(False)
+        plain = results[False, False]
+        for key in ((True, False), (True, True)):
+            torch.testing.assert_close(results[key][0], plain[0], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(results[key][1], plain[1], rtol=1e-5, atol=0)
+            assert_grads_close(results[key][2], plain[2], rtol=1e-4)

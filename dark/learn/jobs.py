@@ -23,7 +23,7 @@ from ..errors import DarkError, InvalidRequestError
 from ..lora.weights import AdapterWeights
 from ..store.db import Store
 from .data import normalize_examples
-from .trainer import ANCHOR_TOKENS, Trainer
+from .trainer import ANCHOR_TOKENS, Trainer, load_optimizer_state, save_optimizer_state
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +233,11 @@ class Learner:
             if name not in self._optimizer:
                 path = self.dir / name / "optimizer.pt"
                 if path.is_file():
-                    self._optimizer[name] = torch.load(path, map_location="cpu", weights_only=True)
+                    try:
+                        self._optimizer[name] = load_optimizer_state(path)
+                    except Exception as e:  # a torn or foreign file costs the moments, never the job
+                        log.warning("the optimizer moments of %s could not be read (%s); its next job starts them "
+                                    "afresh", name, e)
             return self._optimizer.get(name)
 
     def _keep_optimizer(self, name: str, state: dict) -> int:
@@ -251,7 +255,7 @@ class Learner:
             with self._opt_lock:
                 if self._opt_gen.get(name, 0) != generation:
                     return
-            torch.save(state, tmp)
+            save_optimizer_state(state, tmp)
             with self._opt_lock:
                 if self._opt_gen.get(name, 0) == generation:
                     os.replace(tmp, path)

@@ -15,11 +15,13 @@ log-softmax rows (only the anchors' few rows are kept whole).
 """
 from __future__ import annotations
 
+import io
 import logging
-from contextlib import nullcontext
 import math
+import os
 import random
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -65,21 +67,46 @@ def cpu_has_bf16() -> bool:
 class TrainLoRA:
     """LoRA for training: one adapter's factors, applied to every token, differentiable."""
 
-    def __init__(self, params: dict, scaling: float, outs: dict[str, int] | None = None):
+    def __init__(self, params: dict, scaling: float, outs: dict[str, int] | None = None, cast: dict | None = None):
         """outs: each projection's output size (the model config's projection_shapes), which a fused group whose
-        members do not all have factors needs to split its output."""
+        members do not all have factors needs to split its output. cast: see prepared()."""
         self.params, self.scaling, self.outs = params, scaling, outs or {}
+        self.cast = cast or {}
+
+    def prepared(self, dtype: torch.dtype) -> "TrainLoRA":
+        """This LoRA with its factors made ready for one pass in the activations' precision (bf16 on a GPU): per
+        projection A cast and B scaled and cast; per fused group (q/k/v, gate/up) whose members all have factors,
+        their A stacked and their B as one block-diagonal matrix. Made once per pass, not per layer call, so a
+        checkpointed layer's recompute in backward runs two GEMMs per projection and nothing else, and the casts'
+        backward runs once. The master factors, their gradients and the optimizer stay fp32. In fp32 it is self."""
+        if dtype not in (torch.bfloat16, torch.float16):
+            return self
+        cast, layers = {}, {layer for layer, _ in self.params}
+        grouped = set()
+        for layer in layers:
+            for group, members in MEMBERS.items():
+                ps = [self.params.get((layer, m)) for m in members]
+                if all(p is not None for p in ps):
+                    cast[(layer, group)] = (torch.cat([p[0] for p in ps]).to(dtype),
+                                            (torch.block_diag(*[p[1] for p in ps]) * self.scaling).to(dtype))
+                    grouped.update((layer, m) for m in members)
+        for key, (a, b) in self.params.items():
+            if key not in grouped:
+                cast[key] = (a.to(dtype), (b * self.scaling).to(dtype))
+        return TrainLoRA(self.params, self.scaling, self.outs, cast)
 
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        ready = self.cast.get((layer, module))
+        if ready is not None and ready[0].dtype == x.dtype:
+            # the delta is added by the second GEMM itself (addmm): no elementwise pass over [tokens, out]
+            return torch.addmm(y, x @ ready[0].t(), ready[1].t())
         p = self.params.get((layer, module))
         if p is None:
             return y
         a, b = p
         if x.dtype in (torch.bfloat16, torch.float16):
             # in the activations' precision, with the (tiny) factors cast to it: autograd then keeps the x
-            # that exists anyway, not an fp32 copy of every projection input. The master factors, their
-            # gradients (the casts' backward) and the optimizer stay fp32. The scaling rides on B, and the
-            # delta is added by the second GEMM itself (addmm): no elementwise pass over [tokens, out].
+            # that exists anyway, not an fp32 copy of every projection input. The scaling rides on B
             return torch.addmm(y, x @ a.to(x.dtype).t(), (b * self.scaling).to(x.dtype).t())
         return y + ((x.to(a.dtype) @ a.t()) @ b.t() * self.scaling).to(y.dtype)
 
@@ -87,6 +114,9 @@ class TrainLoRA:
         """The deltas of a fused group's members (q/k/v, gate/up) on their concatenated output y, so training runs
         the base model's fused GEMMs too: the members' A stacked into one GEMM, their B as one block-diagonal
         GEMM that adds into y. A group whose members do not all have factors goes member by member."""
+        ready = self.cast.get((layer, group))
+        if ready is not None and ready[0].dtype == x.dtype:
+            return torch.addmm(y, x @ ready[0].t(), ready[1].t())
         members = MEMBERS[group]
         ps = [self.params.get((layer, m)) for m in members]
         if all(p is None for p in ps):
@@ -198,6 +228,53 @@ def _state_to_host(state: dict, staging: Staging | None = None) -> dict:
     return out
 
 
+MOMENTS_MAGIC = b"DARKOPT1"
+
+
+def save_optimizer_state(state: dict, path) -> None:
+    """An optimizer state dict to a file: a small torch.save header (step counters, hyperparameters, each moment's
+    shape) and then the fp32 moments' raw bytes, one write each. Plain file writes let go of the GIL, so a
+    writer thread does not hold up the serving and training threads (torch.save keeps it for the whole of a
+    tensor's record: ~100 ms for a 7B adapter's 320 MB of moments)."""
+    where = _state_tensors(state["state"])
+    moments = [state["state"][k][n] for k, n in where]
+    skeleton = {k: dict(s) for k, s in state["state"].items()}
+    for (k, n), t in zip(where, moments):
+        skeleton[k][n] = ("moment", list(t.shape))
+    header = io.BytesIO()
+    torch.save({**state, "state": skeleton}, header)
+    with open(path, "wb") as f:
+        f.write(MOMENTS_MAGIC + len(header.getvalue()).to_bytes(8, "little") + header.getvalue())
+        for t in moments:
+            f.write(memoryview(t.detach().cpu().contiguous().numpy()).cast("B"))
+
+
+def load_optimizer_state(path) -> dict:
+    """What save_optimizer_state wrote (or a plain torch.save of a state dict, as earlier versions wrote): the
+    moments as views of one host buffer."""
+    with open(path, "rb") as f:
+        if f.read(len(MOMENTS_MAGIC)) != MOMENTS_MAGIC:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        size = int.from_bytes(f.read(8), "little")
+        state = torch.load(io.BytesIO(f.read(size)), map_location="cpu", weights_only=True)
+        data = bytearray(os.fstat(f.fileno()).st_size - f.tell())
+        if f.readinto(data) != len(data):
+            raise ValueError(f"{path}: the moments end early")
+    shapes = [(s, n, v[1]) for s in state["state"].values() for n, v in s.items()
+              if isinstance(v, tuple) and len(v) == 2 and v[0] == "moment"]
+    want = sum(math.prod(shape) for _, _, shape in shapes)
+    if len(data) != 4 * want:
+        raise ValueError(f"{path}: the moments end early ({len(data)} bytes, the header describes {4 * want})"
+                         if len(data) < 4 * want else f"{path}: {len(data) - 4 * want} bytes more than the header describes")
+    flat = torch.frombuffer(data, dtype=torch.float32) if data else torch.empty(0)
+    i = 0
+    for s, n, shape in shapes:
+        count = math.prod(shape)
+        s[n] = flat[i:i + count].view(shape)
+        i += count
+    return state
+
+
 class Trainer:
     def __init__(self, model: CausalLM, tokenizer, device: torch.device, base_answers: Callable[[list[str]], list[str]]):
         self.model, self.tokenizer, self.device = model, tokenizer, device
@@ -231,6 +308,8 @@ class Trainer:
         dev = self.device
         attn = SharedPrefixAttention(p, len(seqs), n, dev)
         remat = torch.is_grad_enabled() and 0 <= checkpoint_tokens < len(ids)
+        if isinstance(lora, TrainLoRA):
+            lora = lora.prepared(self.model.model.embed_tokens.weight.dtype)
         hidden = self.model.hidden_states(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), attn, lora,
                                           checkpoint=remat)
         return hidden, p, n, remat
@@ -397,26 +476,32 @@ class Trainer:
                 # every check describes the weights as they are now, before this step's update: stop with them
                 batch = self._pick(sft, cfg.batch_size, rng)
                 groups = self._micro_batches(batch, cfg.micro_tokens)
-                if len(groups) > 1:
+                final = step >= cfg.max_steps  # this pass only checks: the loop stops after it, whatever it finds
+                backward_done = False
+                if final or len(groups) > 1:
                     # a long batch in parts, each part's backward right after its forward (gradients add up):
                     # only one part's activations at a time. The check comes after the backward passes here, so
-                    # the last step's gradients are computed and dropped
-                    opt.zero_grad(set_to_none=True)
+                    # a step that turns out to be the last computes gradients it drops. A final pass (the check
+                    # alone) runs without gradients: no layer kept or recomputed for a backward that never runs
+                    if not final:
+                        opt.zero_grad(set_to_none=True)
                     loss_total, verified, kept = 0.0, 0.0, True
-                    for g, group in enumerate(groups):
-                        last = g == len(groups) - 1
-                        loss_g, worst_g, kept_g = self._sft_and_anchor_losses(
-                            group, anchors if last else [], lora, cfg, sft_weight=len(group) / len(batch))
-                        loss_g.backward()
-                        loss_total = loss_total + loss_g.detach()
-                        verified, kept = max(verified, worst_g), kept and kept_g
-                    backward_done = True
+                    with torch.no_grad() if final else nullcontext():
+                        for g, group in enumerate(groups):
+                            last = g == len(groups) - 1
+                            loss_g, worst_g, kept_g = self._sft_and_anchor_losses(
+                                group, anchors if last else [], lora, cfg, sft_weight=len(group) / max(1, len(batch)))
+                            if not final:
+                                loss_g.backward()
+                            loss_total = loss_total + loss_g.detach()
+                            verified, kept = max(verified, worst_g), kept and kept_g
+                    backward_done = not final
                 else:
                     loss_total, verified, kept = self._sft_and_anchor_losses(batch, anchors, lora, cfg)
-                    backward_done = False
                 verified = verified <= threshold
                 if prefs:
-                    pref, forgotten = self._pref_loss(prefs, lora, cfg)
+                    with torch.no_grad() if final else nullcontext():
+                        pref, forgotten = self._pref_loss(prefs, lora, cfg)
                     loss_total = loss_total + cfg.dpo_weight * pref
                     verified = verified and forgotten
                 if log.isEnabledFor(logging.DEBUG):
@@ -435,8 +520,7 @@ class Trainer:
                 opt.step()
                 if protector is not None:
                     with torch.no_grad():
-                        for k, (a, _) in params.items():
-                            protector.project_update(k, a, start[k])
+                        protector.project_updates(list(params), [a for a, _ in params.values()], list(start.values()))
                 step += 1
                 losses.append(round(loss_total.item(), 5))
                 if on_step:

@@ -158,8 +158,12 @@ class RMSNorm(nn.Module):
         self.fused = False  # CausalLM.use_fused_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and not torch.is_grad_enabled():
-            return kernel_module("norm_rope").rms_norm(x, self.weight, self.eps)
+        if self.fused:
+            kernels = kernel_module("norm_rope")
+            if not torch.is_grad_enabled():
+                return kernels.rms_norm(x, self.weight, self.eps)
+            if not self.weight.requires_grad:
+                return kernels.rms_norm_train(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -217,10 +221,15 @@ class SelfAttention(nn.Module):
 
     def forward(self, x, cos, sin, attn: Attention, lora: LoRA | None):
         t = x.shape[0]
+        training = self.fused and torch.is_grad_enabled()  # the Triton kernels' autograd forms
         if self.qkv is not None and _grouped(lora):
             y = F.linear(x, *self.qkv)
             if lora is not None:
                 y = lora.apply_group(self.layer, "qkv", x, y)
+            if training and self.q_norm is None:
+                # split, rotary and their backward in a few launches, one gradient for y
+                q, k, v = kernel_module("norm_rope").qkv_rotary_train(y, self.nh, self.nkv, self.d, cos, sin)
+                return self.o_proj(attn.attend(self.layer, q, k, v).reshape(t, self.nh * self.d), lora)
             q, k, v = y.split([self.nh * self.d, self.nkv * self.d, self.nkv * self.d], -1)
             q, k, v = q.reshape(t, self.nh, self.d), k.reshape(t, self.nkv, self.d), v.reshape(t, self.nkv, self.d)
         else:
@@ -229,8 +238,9 @@ class SelfAttention(nn.Module):
             v = self.v_proj(x, lora).view(t, self.nkv, self.d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.fused and not torch.is_grad_enabled():
-            rotary = kernel_module("norm_rope").rotary
+        if self.fused:
+            kernels = kernel_module("norm_rope")
+            rotary = kernels.rotary_train if training else kernels.rotary
             q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         else:
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -247,12 +257,17 @@ class MLP(nn.Module):
         self.down_proj = Linear(i, h, b, layer, "down_proj")
         self.layer, self.size = layer, i
         self.gate_up = None  # (weight, bias) of gate and up in one, once CausalLM.fuse_projections ran
+        self.fused = False   # CausalLM.use_fused_kernels
 
     def forward(self, x, lora: LoRA | None):
         if self.gate_up is not None and _grouped(lora):
             y = F.linear(x, *self.gate_up)
             if lora is not None:
                 y = lora.apply_group(self.layer, "gate_up", x, y)
+            if self.fused:  # silu(gate) * up in one launch (and one for its backward)
+                kernels = kernel_module("norm_rope")
+                act = (kernels.silu_mul_train if torch.is_grad_enabled() else kernels.silu_mul)(y, self.size)
+                return self.down_proj(act, lora)
             gate, up = y.split(self.size, -1)
         else:
             gate, up = self.gate_proj(x, lora), self.up_proj(x, lora)
@@ -292,10 +307,11 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def use_fused_kernels(self, on: bool) -> None:
-        """RMSNorm and rotary through the Triton kernels (dark.kernels.norm_rope) in passes without autograd
-        (serving, reference passes); passes that need gradients keep the plain-torch modules either way."""
+        """RMSNorm, rotary and SiLU * mul through the Triton kernels (dark.kernels.norm_rope): plain kernels in
+        passes without autograd (serving, reference passes), their autograd Functions in training passes (one
+        launch each way instead of ~7-10 small kernels and their backward)."""
         for m in self.modules():
-            if isinstance(m, (RMSNorm, SelfAttention)):
+            if isinstance(m, (RMSNorm, SelfAttention, MLP)):
                 m.fused = on
 
     def fuse_projections(self) -> None:
