@@ -57,3 +57,36 @@ def test_training_keeps_the_change_to_A_out_of_everyday_directions(tiny_models, 
                         None, items, LearnConfig(max_steps=2, min_steps=2, protect_energy=0.0).validate())
         key = next(iter(free.weights.tensors))
         assert (free.weights.tensors[key][0] @ protector.bases[key].float()).norm() > 1e-2 * free.weights.tensors[key][0].norm()
+
+
+def test_a_step_widens_one_basis_at_a_time(monkeypatch):
+    """project_updates gives each A the same result as projecting it alone, widens a basis shared by several
+    projections once, and lets each widened (fp32, device) copy go before the next: a 7B model's bases widened all
+    at once would take ~2 GB of device memory at the end of every step."""
+    import weakref
+
+    g = torch.Generator().manual_seed(0)
+    p = Protector(0.9)
+    shared, _ = torch.linalg.qr(torch.randn(12, 4, generator=g))
+    alone, _ = torch.linalg.qr(torch.randn(20, 6, generator=g))
+    p.bases = {(0, "q_proj"): shared.bfloat16(), (0, "down_proj"): alone.bfloat16()}
+    p.bases[(0, "k_proj")] = p.bases[(0, "q_proj")]  # q and k share their input, hence one basis
+    keys = [(0, "down_proj"), (0, "q_proj"), (0, "o_proj"), (0, "k_proj")]
+    start = [torch.randn(3, n, generator=g) for n in (20, 12, 8, 12)]
+    a = [s + 0.1 * torch.randn(s.shape, generator=g) for s in start]
+    want = [s + p.project(k, t - s) for k, t, s in zip(keys, a, start)]
+    before = [t.clone() for t in a]
+    widened, plain = [], Protector._on
+
+    def on(v, like):
+        assert all(w() is None for w in widened), "an earlier widened basis is still alive"
+        out = plain(v, like)
+        widened.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(Protector, "_on", staticmethod(on))
+    p.project_updates(keys, a, start)
+    assert len(widened) == 2  # q and k: one basis, widened once
+    for got, w in zip(a, want):
+        torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-6)
+    assert torch.equal(a[2], before[2])  # o_proj has no basis here: untouched

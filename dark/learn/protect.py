@@ -100,17 +100,19 @@ class Protector:
         and a basis that several projections share (q/k/v, gate/up) is moved and widened once: a step's ~200
         projections cost two small GEMMs each, not eight ops."""
         changes = torch._foreach_sub(a, start)
-        widened: dict[int, torch.Tensor] = {}
-        targets, fixes = [], []
-        for key, t, d in zip(keys, a, changes):
+        sharing: dict[int, tuple[torch.Tensor, list[int]]] = {}  # basis -> the projections it protects
+        for i, key in enumerate(keys):
             v = self.bases.get(key)
-            if v is None:
-                continue
-            if id(v) not in widened:
-                widened[id(v)] = self._on(v, t)
-            v = widened[id(v)]
-            targets.append(t)
-            fixes.append((d @ v) @ v.t())
+            if v is not None:
+                sharing.setdefault(id(v), (v, []))[1].append(i)
+        targets, fixes = [], []
+        for v, users in sharing.values():
+            # one widened basis at a time: all of a 7B model's at once would take ~2 GB of device memory
+            w = self._on(v, a[users[0]])
+            for i in users:
+                targets.append(a[i])
+                fixes.append((changes[i] @ w) @ w.t())
+            del w
         if targets:
             torch._foreach_sub_(targets, fixes)
 
