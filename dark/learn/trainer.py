@@ -21,7 +21,7 @@ import math
 import os
 import random
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -489,10 +489,12 @@ class Trainer:
                     with torch.no_grad() if final else nullcontext():
                         for g, group in enumerate(groups):
                             last = g == len(groups) - 1
-                            loss_g, worst_g, kept_g = self._sft_and_anchor_losses(
-                                group, anchors if last else [], lora, cfg, sft_weight=len(group) / max(1, len(batch)))
-                            if not final:
-                                loss_g.backward()
+                            with self._step_stream():  # requests that arrived since the last part: fewer SMs now
+                                loss_g, worst_g, kept_g = self._sft_and_anchor_losses(
+                                    group, anchors if last else [], lora, cfg,
+                                    sft_weight=len(group) / max(1, len(batch)))
+                                if not final:
+                                    loss_g.backward()
                             loss_total = loss_total + loss_g.detach()
                             verified, kept = max(verified, worst_g), kept and kept_g
                     backward_done = not final
@@ -536,11 +538,25 @@ class Trainer:
         return TrainResult(out, state, step, losses, verified, anchors_kept=kept,
                            timings={k: round(v, 3) for k, v in timings.items()})
 
+    @contextmanager
     def _step_stream(self):
+        """The stream for a piece of a step (a step, or a part of a long batch): the shared one (part of the SMs)
+        while requests are being served, else the trainer's own (all of them). A piece on another stream than the
+        one around it starts after what was queued there and the work queued after it waits for it, so a step can
+        move to the shared stream between its parts when requests arrive mid-step."""
         if self.stream is None:
-            return nullcontext()
+            yield
+            return
         busy = self.shared_stream is not None and self.serving_busy()
-        return torch.cuda.stream(self.shared_stream if busy else self.stream)
+        stream = self.shared_stream if busy else self.stream
+        around = torch.cuda.current_stream(self.device)
+        if stream == around:
+            yield
+            return
+        stream.wait_stream(around)
+        with torch.cuda.stream(stream):
+            yield
+        around.wait_stream(stream)
 
     def _confirm(self, batch: list[Item], anchors: list[Item], lora, threshold: float) -> tuple[bool, bool]:
         with torch.no_grad(), torch.autocast("cpu", enabled=False):
