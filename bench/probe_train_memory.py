@@ -31,7 +31,7 @@ def main() -> None:
 
     shape = dict(QWEN25_7B, num_hidden_layers=int(os.environ.get("LAYERS", "8")))
     tmp = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
-    del build_model(shape, a.tokenizer.resolve(), tmp / "model", torch.device("cuda"))
+    build_model(shape, a.tokenizer.resolve(), tmp / "model", torch.device("cuda"))  # the HF copy is dropped here
     torch.cuda.empty_cache()
     llm = OnlineLLM(str(tmp / "model"), data_dir=tmp / "data", device="cuda", dtype="bfloat16", num_kv_blocks=256,
                     max_lora_rank=16)
