@@ -1,0 +1,61 @@
+"""Matrix-vector products for decode steps of a few tokens: out [M, N] = x [M, K] @ W[N, K]^T (+ bias), M small.
+
+A decode step at batch 1 is bound by reading the weights once (15 GB for a 7B model), so what matters is the
+bandwidth a kernel reaches on each projection's shape. Each program reads BLOCK_N whole rows of W (contiguous,
+coalesced along K) and keeps the few x rows in registers: no split of K, hence no second reduction kernel.
+gemv_reference is the plain-torch definition.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+
+def gemv_reference(x, weight, bias=None):
+    return F.linear(x, weight, bias)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
+                     M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid = tl.program_id(0)
+        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = n < N
+        kk = tl.arange(0, BLOCK_K)
+        rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+        for m in tl.static_range(M):
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            k0 = 0
+            while k0 < K:  # a while loop: the interpreter cannot take tensor bounds in range()
+                k = k0 + kk
+                km = k < K
+                w = tl.load(rows + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+                xv = tl.load(x_ptr + m * stride_xm + k, mask=km, other=0.0)
+                acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+                k0 += BLOCK_K
+            y = tl.sum(acc, 1)
+            if HAS_BIAS:
+                y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
+            tl.store(out_ptr + m * stride_om + n, y.to(out_ptr.dtype.element_ty), mask=nm)
+
+
+def gemv(x, weight, bias=None, block_n: int = 8, block_k: int = 512, num_warps: int = 4, num_stages: int = 3):
+    """x [M, K] (M small: each x row rereads nothing, but the kernel loops over M), weight [N, K] with unit stride
+    along K, bias [N] or None -> [M, N] in x's dtype."""
+    M, K = x.shape
+    N = weight.shape[0]
+    assert weight.shape[1] == K and weight.stride(1) == 1 and x.stride(1) == 1
+    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    _gemv_kernel[(triton.cdiv(N, block_n),)](x, weight, bias if bias is not None else weight, out, N, K, x.stride(0),
+                                             weight.stride(0), out.stride(0), M=M, HAS_BIAS=bias is not None,
+                                             BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+                                             num_stages=num_stages)
+    return out
