@@ -47,12 +47,28 @@ if triton is not None:
             tl.store(out_ptr + m * stride_om + n, y.to(out_ptr.dtype.element_ty), mask=nm)
 
 
-def gemv(x, weight, bias=None, block_n: int = 8, block_k: int = 512, num_warps: int = 4, num_stages: int = 3):
-    """x [M, K] (M small: each x row rereads nothing, but the kernel loops over M), weight [N, K] with unit stride
-    along K, bias [N] or None -> [M, N] in x's dtype."""
+def config(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for an [n, k] weight, from a sweep on an H200 at the Qwen2.5-7B shapes
+    (bench/RESULTS.md, 2026-12-01): long rows (down_proj, k = 18944) take 16 rows a program in 1024-wide steps,
+    narrow matrices (q/k/v, o_proj) 4 rows, the rest (gate/up, the LM head) 8."""
+    if k > 8192:
+        return 16, 1024, 8
+    if n <= 8192:
+        return 4, 512, 8 if n <= k else 4
+    return 8, 512, 4
+
+
+def gemv(x, weight, bias=None, block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+         num_stages: int = 3):
+    """x [M, K] (M small: the kernel reads W once per row of x, so it is for M = 1), weight [N, K] with unit stride
+    along K, bias [N] or None -> [M, N] in x's dtype. Block sizes default to config(N, K)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     M, K = x.shape
     N = weight.shape[0]
-    assert weight.shape[1] == K and weight.stride(1) == 1 and x.stride(1) == 1
+    assert weight.shape[1] == K and weight.stride(1) == 1
+    bn, bk, nw = config(N, K)
+    block_n, block_k, num_warps = block_n or bn, block_k or bk, num_warps or nw
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     _gemv_kernel[(triton.cdiv(N, block_n),)](x, weight, bias if bias is not None else weight, out, N, K, x.stride(0),
                                              weight.stride(0), out.stride(0), M=M, HAS_BIAS=bias is not None,
