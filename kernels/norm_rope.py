@@ -1,11 +1,12 @@
 """RMSNorm, rotary embedding and SiLU * mul, one launch each instead of the ~7, ~10 and ~3 small elementwise kernels
 of the plain-torch modules (which dominate a CUDA-graph decode step's launch count, and a LoRA training step's).
 
-rms_norm, rotary and silu_mul are for passes without autograd (serving). The *_train functions are autograd
-Functions for training, whose base weights are frozen: each backward is one launch too (a few for q/k/v) and
-gives the gradient of the activation only (rms_norm_train none for its weight). qkv_rotary_train also takes the
-place of the split of a fused q/k/v projection output, so its backward writes one gradient instead of adding three
-zero-padded ones. The *_reference functions are the plain-torch definitions; their backward is autograd's.
+rms_norm, add_rms_norm (a residual add and the RMSNorm after it, one launch), rotary and silu_mul are for passes
+without autograd (serving). The *_train functions are autograd Functions for training, whose base weights are
+frozen: each backward is one launch too (a few for q/k/v) and gives the gradient of the activation only
+(rms_norm_train none for its weight). qkv_rotary_train also takes the place of the split of a fused q/k/v
+projection output, so its backward writes one gradient instead of adding three zero-padded ones. The *_reference
+functions are the plain-torch definitions; their backward is autograd's.
 """
 from __future__ import annotations
 
@@ -23,6 +24,12 @@ def rms_norm_reference(x, weight, eps):
     """As dark.models.decoder.RMSNorm: normalise in fp32, cast back, then scale by the weight."""
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def add_rms_norm_reference(x, delta, weight, eps):
+    """The decoder's residual add and the RMSNorm after it: (rms_norm_reference(x + delta), x + delta)."""
+    summed = x + delta
+    return rms_norm_reference(summed, weight, eps), summed
 
 
 def rotary_reference(x, cos, sin):
@@ -58,6 +65,24 @@ if triton is not None:
         x = tl.load(x_ptr + row * stride_x + n, mask=m, other=0.0).to(tl.float32)
         r = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
         y = (x * r).to(x_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + n, mask=m, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + n, (w * y).to(out_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, sum_ptr, N, stride_x, stride_d, stride_o, stride_s, eps,
+                             BN: tl.constexpr):
+        # s = x + delta rounded to the sum's dtype (what torch's add gives: the fp32 sum of two bf16/fp16 values
+        # rounds once), then _rms_norm_kernel's arithmetic on s
+        row = tl.program_id(0).to(tl.int64)
+        n = tl.arange(0, BN)
+        m = n < N
+        x = tl.load(x_ptr + row * stride_x + n, mask=m, other=0.0).to(tl.float32)
+        d = tl.load(d_ptr + row * stride_d + n, mask=m, other=0.0).to(tl.float32)
+        s = (x + d).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * stride_s + n, s, mask=m)
+        s = s.to(tl.float32)
+        r = tl.rsqrt(tl.sum(s * s, 0) / N + eps)
+        y = (s * r).to(sum_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + n, mask=m, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * stride_o + n, (w * y).to(out_ptr.dtype.element_ty), mask=m)
 
@@ -138,6 +163,23 @@ def rms_norm(x, weight, eps):
     _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, shape[-1], x2.stride(0), out.stride(0), eps,
                                      BN=triton.next_power_of_2(shape[-1]))
     return out.view(shape)
+
+
+def add_rms_norm(x, delta, weight, eps):
+    """The residual add and the RMSNorm after it in one launch: x, delta [..., N] (rows may be wider) ->
+    (normed, summed), summed = x + delta in their promoted dtype, rounded once as torch's add rounds it, and
+    normed = rms_norm(summed, weight, eps) by rms_norm's arithmetic: the decoder's `x = x + h; norm(x)` without the
+    add's own kernel and its round trip through memory. For passes without autograd. (Under TRITON_INTERPRET=1 a
+    bf16 sum may sit one ulp towards zero: the interpreter truncates fp32 -> bf16 casts.)"""
+    shape = x.shape
+    assert delta.shape == shape, (delta.shape, shape)
+    x2, d2 = _rows(x), _rows(delta)
+    dtype = torch.promote_types(x.dtype, delta.dtype)
+    summed = torch.empty(x2.shape, device=x.device, dtype=dtype)
+    out = torch.empty(x2.shape, device=x.device, dtype=torch.promote_types(weight.dtype, dtype))
+    _add_rms_norm_kernel[(x2.shape[0],)](x2, d2, weight, out, summed, shape[-1], x2.stride(0), d2.stride(0),
+                                         out.stride(0), summed.stride(0), eps, BN=triton.next_power_of_2(shape[-1]))
+    return out.view(shape), summed.view(shape)
 
 
 def _rotary_into(x, cos, sin, out, sign):

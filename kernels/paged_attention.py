@@ -4,6 +4,8 @@
 per (sequence, KV head, range) that handles all query heads of its GQA group, then a second kernel merges the
 ranges. Nothing is gathered or padded; a sequence with context length 0 (a padded row of a CUDA-graph batch)
 gets zeros. `store_kv` writes the step's keys and values into their cache slots, skipping slot -1.
+`qkv_rotary_store` takes the fused q/k/v projection output instead: it rotates q into a new tensor and k into the
+cache, and stores v, in one launch (a decode step's split, two rotary kernels and store_kv before).
 The plain-torch references below are what the tests compare with.
 """
 from __future__ import annotations
@@ -48,7 +50,54 @@ def store_kv_reference(k, v, k_cache, v_cache, slot_mapping):
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
 
 
+def qkv_rotary_store_reference(y, nh, nkv, d, cos, sin, k_cache, v_cache, slot_mapping):
+    """y [T, (nh + 2 * nkv) * d], a fused q/k/v projection output: q and k rotated (fp32 math, as the rotary kernel),
+    k and v stored at their slots (-1: skipped); returns q [T, nh, d]."""
+    from .norm_rope import qkv_rotary_reference
+
+    q, k, v = qkv_rotary_reference(y, nh, nkv, d, cos, sin)
+    store_kv_reference(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
 if triton is not None:
+
+    @triton.jit
+    def _qkv_rotary_store_kernel(y_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr, stride_y, stride_c,
+                                 stride_q, NH: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr):
+        # one program per (token, head of y): heads [0, NH) are q's, rotated into q; [NH, NH + NKV) k's, rotated
+        # into the key cache; the rest v's, copied into the value cache. The rotation is the rotary kernel's.
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        d = tl.arange(0, HALF)
+        src = y_ptr + t * stride_y + h * (2 * HALF) + d
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        cache = tl.maximum(slot, 0) * (NKV * 2 * HALF) + d  # a cache row of NKV heads, as store_kv's
+        if h < NH + NKV:
+            x1 = tl.load(src).to(tl.float32)
+            x2 = tl.load(src + HALF).to(tl.float32)
+            c1 = tl.load(cos_ptr + t * stride_c + d).to(tl.float32)
+            c2 = tl.load(cos_ptr + t * stride_c + HALF + d).to(tl.float32)
+            s1 = tl.load(sin_ptr + t * stride_c + d).to(tl.float32)
+            s2 = tl.load(sin_ptr + t * stride_c + HALF + d).to(tl.float32)
+            o1 = x1 * c1 - x2 * s1
+            o2 = x2 * c2 + x1 * s2
+            if h < NH:
+                q_dst = q_ptr + t * stride_q + h * (2 * HALF) + d
+                tl.store(q_dst, o1.to(q_ptr.dtype.element_ty))
+                tl.store(q_dst + HALF, o2.to(q_ptr.dtype.element_ty))
+            else:
+                k_mask = (d < HALF) & (slot >= 0)
+                k_dst = kc_ptr + cache + (h - NH) * (2 * HALF)
+                # rounded to y's dtype first, as rotary's output is before store_kv copies it
+                k_dt = y_ptr.dtype.element_ty
+                tl.store(k_dst, o1.to(k_dt).to(kc_ptr.dtype.element_ty), mask=k_mask)
+                tl.store(k_dst + HALF, o2.to(k_dt).to(kc_ptr.dtype.element_ty), mask=k_mask)
+        else:
+            v_mask = (d < HALF) & (slot >= 0)
+            v_dst = vc_ptr + cache + (h - NH - NKV) * (2 * HALF)
+            tl.store(v_dst, tl.load(src).to(vc_ptr.dtype.element_ty), mask=v_mask)
+            tl.store(v_dst + HALF, tl.load(src + HALF).to(vc_ptr.dtype.element_ty), mask=v_mask)
 
     @triton.jit
     def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_k, stride_v, W: tl.constexpr,
@@ -147,6 +196,25 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
     assert k.stride(2) == 1 and k.stride(1) == k.shape[2] and v.stride(2) == 1 and v.stride(1) == v.shape[2]
     _store_kv_kernel[(T,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), W,
                            triton.next_power_of_2(W))
+
+
+def qkv_rotary_store(y, nh, nkv, d, cos, sin, k_cache, v_cache, slot_mapping):
+    """A fused q/k/v projection output y [T, (nh + 2 * nkv) * d] (last dim contiguous, rows may be wider) ->
+    q [T, nh, d] rotated (a new tensor), with k rotated and v written into caches [blocks, block_size, nkv, d]
+    (contiguous) at the flat slots slot_mapping [T] (-1: skip), in one launch: what rotary (q and k) and store_kv
+    write, by the same arithmetic. cos, sin [T, d] with their halves repeated, as dark.models.decoder.Rotary makes
+    them. One program per (token, head): 36 for a Qwen2.5-7B token, so a batch of one spreads over the SMs."""
+    T = y.shape[0]
+    assert y.dim() == 2 and y.shape[1] == (nh + 2 * nkv) * d and y.stride(1) == 1 and d % 2 == 0
+    assert k_cache.shape[2:] == (nkv, d) and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert cos.shape == (T, d) and cos.stride(1) == 1 and cos.stride() == sin.stride()
+    half = d // 2
+    assert half & (half - 1) == 0, "head_dim / 2 must be a power of two"
+    q = torch.empty(T, nh, d, device=y.device, dtype=y.dtype)
+    if T:
+        _qkv_rotary_store_kernel[(T, nh + 2 * nkv)](y, cos, sin, q, k_cache, v_cache, slot_mapping, y.stride(0),
+                                                   cos.stride(0), q.stride(0), NH=nh, NKV=nkv, HALF=half)
+    return q
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, splits: int | None = None,

@@ -82,6 +82,45 @@ def test_greedy_ragged_batch_matches_hf(family_pair):
         torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(logprobs), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_fast_decode_path_matches_plain_path(tiny_models, family, tmp_path, monkeypatch):
+    """Decode steps through the kernels (no CUDA graphs on the CPU; TRITON_INTERPRET=1) give the plain path's
+    tokens and log-probabilities on a ragged batch. With the kernels on, the residual adds go into add_rms_norm,
+    a single sequence's projections through the GEMV kernel,
+    and Qwen2 (as Llama) rotates and stores q/k/v in one launch (qkv_rotary_store) where Qwen3 (per-head q/k
+    norms) keeps rotary + store_kv."""
+    pytest.importorskip("triton")
+    from collections import Counter
+
+    from dark.models.decoder import kernel_module
+
+    calls = Counter()
+    for module, name in ((kernel_module("paged_attention"), "qkv_rotary_store"),
+                         (kernel_module("paged_attention"), "store_kv"), (kernel_module("norm_rope"), "add_rms_norm"),
+                         (kernel_module("gemv"), "gemv")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name,
+                            lambda *a, _real=real, _name=name, **k: calls.update([_name]) or _real(*a, **k))
+    with OnlineLLM(str(tiny_models[family]), data_dir=tmp_path, block_size=8, max_num_batched_tokens=24,
+                   max_num_seqs=4) as llm:
+        runner = llm.engine.runner
+        runner.set_fast(False)
+        plain = run_ragged(llm, PROMPTS[:3], steps=6, join_after=2)
+        assert not calls
+        runner.set_fast(True)
+        fast = run_ragged(llm, PROMPTS[:3], steps=6, join_after=2)
+        assert runner.fast_steps >= 4, "the decode steps did not take the fast path"
+    for p, f in zip(plain, fast):
+        assert len(f.output_ids) == 6 and f.output_ids == p.output_ids
+        torch.testing.assert_close(torch.tensor(f.logprobs), torch.tensor(p.logprobs), atol=1e-4, rtol=1e-4)
+    assert calls["add_rms_norm"] > 0
+    assert calls["gemv"] > 0  # the steps with the first request alone: one token's projections through the GEMV
+    if family == "qwen3":
+        assert calls["store_kv"] > 0 and calls["qkv_rotary_store"] == 0
+    else:
+        assert calls["qkv_rotary_store"] > 0 and calls["store_kv"] == 0
+
+
 def test_preemption_keeps_outputs_exact(tiny_models):
     """A cache too small for all requests at once: sequences are preempted, recomputed, and still exact."""
     path = tiny_models["qwen2"]

@@ -405,6 +405,97 @@ def test_rms_norm_matches_reference(dtype, tol, shape):
     assert rel_err(out.cpu(), ref) < tol
 
 
+def _ulps(out, ref) -> int:
+    """The largest distance between out and ref in units in the last place (same dtype, same signs)."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[out.dtype]
+    return int((out.view(bits).long() - ref.view(bits).long()).abs().max()) if out.numel() else 0
+
+
+def _same_rounding(out, ref, dtype) -> bool:
+    """out is ref to the bit, but for bf16 results of the interpreter: it truncates fp32 -> bf16 casts, where
+    a compiled kernel rounds to nearest even as torch does, so a bf16 result may sit one ulp towards zero."""
+    return _ulps(out, ref) <= (1 if dtype == torch.bfloat16 and not torch.cuda.is_available() else 0)
+
+
+def _same_kernel_math(out, ref) -> bool:
+    """Two kernels with the same arithmetic: the same bits in the interpreter; compiled, within an ulp (the
+    compiler may contract a multiply-add into an FMA in one of them and not in the other)."""
+    return _ulps(out, ref) <= (1 if torch.cuda.is_available() else 0)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float16, 2e-3), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("shape", [(5, 100), (3, 2, 64), (1, 96)])
+def test_add_rms_norm_matches_reference(dtype, tol, shape):
+    """The residual add and RMSNorm in one launch: the sum is torch's x + delta (to the bit; bf16 within the
+    interpreter's one ulp), the norm is rms_norm's of that sum to the bit, and both match the plain-torch
+    reference; an odd hidden size (100, masked), x a view with wider rows."""
+    from dark.kernels.norm_rope import add_rms_norm, add_rms_norm_reference, rms_norm
+
+    g = torch.Generator().manual_seed(shape[-1] + len(shape))
+    wide = (torch.randn(*shape[:-1], shape[-1] + 28, generator=g) * 3).to(DEV, dtype)
+    x = wide[..., :shape[-1]]
+    delta = (torch.randn(*shape, generator=g) * 2).to(DEV, dtype)
+    w = torch.rand(shape[-1], generator=g).add(0.5).to(DEV, dtype)
+    normed, summed = add_rms_norm(x, delta, w, 1e-6)
+    ref_normed, ref_summed = add_rms_norm_reference(x.cpu(), delta.cpu(), w.cpu(), 1e-6)
+    assert normed.shape == summed.shape == x.shape and normed.dtype == summed.dtype == dtype
+    assert _same_rounding(summed.cpu(), ref_summed, dtype)
+    assert _same_kernel_math(normed, rms_norm(summed, w, 1e-6)), "the norm must be rms_norm's of the sum"
+    if _ulps(summed.cpu(), ref_summed) == 0:
+        assert _same_kernel_math(normed, rms_norm(x + delta, w, 1e-6))
+    assert rel_err(normed.cpu(), ref_normed) < tol and rel_err(summed.cpu(), ref_summed) < tol
+
+
+def _qkv_case(tokens, nh, nkv, d, blocks, block_size, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(tokens, (nh + 2 * nkv) * d + 8, generator=g).to(DEV, dtype)
+    y = base[:, :(nh + 2 * nkv) * d]  # rows wider than q/k/v, as a LoRA-free strided view could be
+    ang = torch.rand(tokens, d // 2, generator=g) * 6
+    ang = torch.cat([ang, ang], -1)
+    cos, sin = (ang.cos() * 1.1).to(DEV, dtype), (ang.sin() * 1.1).to(DEV, dtype)
+    kc = torch.randn(blocks, block_size, nkv, d, generator=g).to(DEV, dtype)
+    vc = torch.randn(blocks, block_size, nkv, d, generator=g).to(DEV, dtype)
+    return y, cos, sin, kc, vc
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("nh,nkv,d", [(4, 2, 16), (6, 1, 64)])
+def test_qkv_rotary_store_matches_reference(dtype, tol, nh, nkv, d):
+    """Rotary of q and k and the cache store in one launch (GQA): q as the rotary kernel makes it, k rotated and v
+    stored at slots scattered over the blocks (slot -1 stores nothing), every other cache entry untouched; to the
+    bit what rotary + store_kv write, and the plain-torch reference to rounding."""
+    from dark.kernels.norm_rope import rotary
+    from dark.kernels.paged_attention import qkv_rotary_store, qkv_rotary_store_reference
+
+    y, cos, sin, kc, vc = _qkv_case(5, nh, nkv, d, 7, 4, dtype, seed=nh * d)
+    slots = torch.tensor([13, -1, 2, 27, 8])  # blocks 3, 0, 6 and 2 of 7; token 1 a padded row
+    k_ref, v_ref = kc.cpu().clone(), vc.cpu().clone()
+    k_old, v_old = kc.clone(), vc.clone()
+    q = qkv_rotary_store(y, nh, nkv, d, cos, sin, kc, vc, slots.to(DEV))
+    q_ref = qkv_rotary_store_reference(y.cpu(), nh, nkv, d, cos.cpu(), sin.cpu(), k_ref, v_ref, slots)
+    assert q.shape == (5, nh, d) and q.dtype == dtype and q.is_contiguous()
+    assert rel_err(q.cpu(), q_ref) < tol
+    assert rel_err(kc.cpu(), k_ref) < tol and torch.equal(vc.cpu(), v_ref)
+    # the kernels the decode path ran before: two rotary launches and store_kv
+    t = y.shape[0]
+    q_split, k_split, v_split = y.split([nh * d, nkv * d, nkv * d], -1)
+    q_old = rotary(q_split.reshape(t, nh, d), cos, sin)
+    store_kv(rotary(k_split.reshape(t, nkv, d), cos, sin), v_split.reshape(t, nkv, d), k_old, v_old, slots.to(DEV))
+    assert _same_kernel_math(q, q_old) and _same_kernel_math(kc, k_old) and torch.equal(vc, v_old)
+    # the written slots hold this step's k/v; every other entry is what it was
+    _, _, _, k0, v0 = _qkv_case(5, nh, nkv, d, 7, 4, dtype, seed=nh * d)
+    written = torch.zeros(7 * 4, dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    flat = lambda c: c.cpu().view(7 * 4, nkv, d)  # noqa: E731
+    assert torch.equal(flat(kc)[~written], flat(k0)[~written]) and torch.equal(flat(vc)[~written], flat(v0)[~written])
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(flat(vc)[s], v_split[i].cpu().view(nkv, d))
+            assert not torch.equal(flat(kc)[s], flat(k0)[s])
+            assert _same_kernel_math(flat(kc)[s], flat(k_old)[s])
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("tokens,heads,d", [(3, 4, 16), (5, 7, 64)])
 def test_rotary_matches_reference(dtype, tol, tokens, heads, d):
@@ -534,3 +625,132 @@ def test_silu_mul_matches_reference(dtype, tol, tokens, size, block):
     out.backward(dy)
     assert gate_up.grad.shape == gate_up.shape and rel_err(gate_up.grad.cpu(), ref_dgu) < tol
     assert rel_err(gate_up.grad[:, size:].cpu(), ref_dgu[:, size:]) < tol  # dup on its own: not swamped by dgate
+
+
+class _LaunchCounter:
+    """Kernel launches of a region: every Triton kernel launch of dark.kernels (by kernel name; the torch ops that
+    the interpreter runs inside a launch are not counted) and every aten op that would run a device kernel (views,
+    reshapes and empty allocations launch none)."""
+
+    NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "_unsafe_view", "detach", "lift_fresh",
+                 "promote_types", "result_type"}
+
+    def __init__(self, monkeypatch):
+        from collections import Counter
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from triton.runtime.jit import KernelInterface
+
+        self.counts, self.paused = Counter(), False
+        counter = self
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                if not counter.paused and not func.is_view and name not in counter.NO_KERNEL:
+                    counter.counts[f"aten.{name}"] += 1
+                return func(*args, **(kwargs or {}))
+
+        class Counted:
+            def __init__(self, kernel, name):
+                self.kernel, self.name = kernel, name
+
+            def __getitem__(self, grid):
+                launch = self.kernel[grid]
+
+                def run(*args, **kwargs):
+                    counter.counts[self.name] += 1
+                    counter.paused = True
+                    try:
+                        return launch(*args, **kwargs)
+                    finally:
+                        counter.paused = False
+                return run
+
+        for module in ("norm_rope", "paged_attention", "lora"):
+            mod = kernel_module(module)
+            for name, obj in list(vars(mod).items()):
+                if isinstance(obj, KernelInterface):
+                    monkeypatch.setattr(mod, name, Counted(obj, name))
+        self.mode = Ops
+
+    def count(self, fn):
+        self.counts.clear()
+        with self.mode():
+            out = fn()
+        return out, dict(self.counts)
+
+
+def test_decode_layer_launches_fewer_kernels(tiny_models, monkeypatch):
+    """A Qwen2 decode layer with the fused kernels on, without autograd: add_rms_norm takes the two residual adds
+    and qkv_rotary_store the two rotary launches and store_kv, so the layer runs 4 launches fewer than the fused
+    kernels' earlier route (each norm, rotary and store on its own, the adds in torch: 14 -> 10), to the same
+    values in fp32 and the same KV cache; a whole decode pass runs no torch add, rotary or store_kv at all."""
+    from dark.engine.attention import KVCache, PagedDecodeAttention
+    from dark.models.decoder import load_model
+
+    model = load_model(tiny_models["qwen2"], torch.device(DEV), torch.float32)
+    model.use_fused_kernels(True)
+    cfg, layer = model.config, model.model.layers[1]
+    g = torch.Generator().manual_seed(0)
+    cache = KVCache(cfg.num_layers, 12, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32, DEV)
+    cache.data.copy_(torch.randn(cache.data.shape, generator=g))
+    slots, ctx = torch.tensor([9, 30, -1], device=DEV), torch.tensor([6, 11, 0], device=DEV)  # a padded last row
+    tables = torch.tensor([[1, 2, 0], [4, 11, 7], [0, 0, 0]], dtype=torch.int32, device=DEV)
+    x = torch.randn(3, cfg.hidden_size, generator=g).to(DEV)
+    pending = torch.randn(3, cfg.hidden_size, generator=g).to(DEV)
+    x_added = x + pending  # what the previous layer hands on: the plain route adds its MLP output there
+    cos, sin = model.rotary(torch.tensor([5, 10, 0], device=DEV), torch.float32)
+
+    class EarlierRoute:  # the decode attention as it was: attend only (rotary launches, then store_kv inside)
+        def __init__(self, inner):
+            self.inner = inner
+
+        def attend(self, *args):
+            return self.inner.attend(*args)
+
+    counter = _LaunchCounter(monkeypatch)
+    start = cache.data.clone()
+    with torch.inference_mode():
+        attn = PagedDecodeAttention(cache, slots, tables, ctx)
+        old, old_counts = counter.count(lambda: layer(x_added, cos, sin, EarlierRoute(attn), None))
+        old_cache = cache.data.clone()
+        cache.data.copy_(start)
+        (new_x, new_pending), new_counts = counter.count(lambda: layer(x, cos, sin, attn, None, pending, True))
+    if torch.cuda.is_available():  # compiled, an FMA contracted differently in one kernel carries on through the layer
+        torch.testing.assert_close(new_x + new_pending, old, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cache.data, old_cache, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(new_x + new_pending, old) and torch.equal(cache.data, old_cache)
+    assert not torch.equal(cache.data, start)
+    assert sum(new_counts.values()) == sum(old_counts.values()) - 4
+    assert old_counts.pop("aten.add") == 2 and "aten.add" not in new_counts
+    assert old_counts.pop("_rotary_kernel") == 2 and old_counts.pop("_store_kv_kernel") == 1
+    assert old_counts.pop("_rms_norm_kernel") == 2
+    assert new_counts.pop("_qkv_rotary_store_kernel") == 1 and new_counts.pop("_add_rms_norm_kernel") == 2
+    assert new_counts == old_counts  # the GEMMs, paged_decode and its merge, silu_mul
+    # the whole pass: the first layer's input norm alone, every other norm (the final one too) with an add
+    with torch.inference_mode():
+        ids = torch.tensor([3, 7, 0], device=DEV)
+        hidden, counts = counter.count(lambda: model.hidden_states(ids, torch.tensor([5, 10, 0], device=DEV), attn))
+    layers = cfg.num_layers
+    assert counts["_rms_norm_kernel"] == 1 and counts["_add_rms_norm_kernel"] == 2 * layers
+    assert counts["_qkv_rotary_store_kernel"] == counts["_paged_decode_kernel"] == layers
+    assert not {"aten.add", "_rotary_kernel", "_store_kv_kernel"} & set(counts)
+    assert hidden.shape == (3, cfg.hidden_size) and torch.isfinite(hidden).all()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("n,k,bias", [(37, 100, True), (64, 300, False), (5, 9000, False)])
+def test_gemv_matches_reference(dtype, tol, n, k, bias):
+    """One token's projection through the GEMV kernel (the decode path at batch 1) equals F.linear: rows that do
+    not fill a block, K not a multiple of the step, a bias, the long-row configuration (K > 8192); x a view."""
+    from dark.kernels.gemv import gemv, gemv_reference
+
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(3, 2 * k, generator=g).to(DEV, dtype)[1:2, ::2]  # a row of a wider tensor, strided
+    w = torch.randn(n, k, generator=g).to(DEV, dtype)
+    b = torch.randn(n, generator=g).to(DEV, dtype) if bias else None
+    out = gemv(x, w, b)
+    assert out.shape == (1, n) and out.dtype == dtype
+    assert rel_err(out.float().cpu(), gemv_reference(x.float(), w.float(), None if b is None else b.float()).cpu()) < tol

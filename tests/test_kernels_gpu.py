@@ -107,6 +107,113 @@ def test_norm_rope_qwen_shapes():
     assert rel_err(rotary(q, cos, sin), rotary_reference(q, cos, sin)) < 1e-2
 
 
+def _ulps(out, ref) -> int:
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[out.dtype]
+    return int((out.view(bits).long() - ref.view(bits).long()).abs().max()) if out.numel() else 0
+
+
+@pytest.mark.parametrize("tokens", [1, 32, 256])
+def test_add_rms_norm_qwen_shapes(tokens):
+    """The residual add and the RMSNorm after it in one launch at Qwen2.5-7B's hidden size (3584, bf16): the sum
+    is torch's x + delta to the bit (both round to nearest even), the norm rms_norm's of it (within an ulp: an FMA
+    may contract differently) and the reference's to bf16 rounding."""
+    from dark.kernels.norm_rope import add_rms_norm, add_rms_norm_reference, rms_norm
+
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = (torch.randn(tokens, 3584, device="cuda", generator=g) * 4).to(torch.bfloat16)
+    delta = torch.randn(tokens, 3584, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.rand(3584, device="cuda", generator=g).add(0.5).to(torch.bfloat16)
+    normed, summed = add_rms_norm(x, delta, w, 1e-6)
+    ref_normed, ref_summed = add_rms_norm_reference(x, delta, w, 1e-6)
+    assert torch.equal(summed, ref_summed)
+    assert _ulps(normed, rms_norm(ref_summed, w, 1e-6)) <= 1
+    assert rel_err(normed, ref_normed) < 1e-2
+
+
+def _qkv_store_case(tokens, g, dtype=torch.bfloat16):
+    """A Qwen2.5-7B layer's decode q/k/v (28 query heads, 4 KV heads of 128): y, cos, sin, the layer's caches
+    (blocks of 16) and slots scattered over them, the last quarter of the rows -1 (a graph bucket's padding)."""
+    nh, nkv, d, bs, blocks = 28, 4, 128, 16, 512
+    y = torch.randn(tokens, (nh + 2 * nkv) * d, device="cuda", generator=g).to(dtype)
+    ang = torch.rand(tokens, d // 2, device="cuda", generator=g) * 1000
+    ang = torch.cat([ang, ang], -1)
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    kc = torch.randn(blocks, bs, nkv, d, device="cuda", generator=g).to(dtype)
+    vc = torch.randn(blocks, bs, nkv, d, device="cuda", generator=g).to(dtype)
+    slots = torch.randperm(blocks * bs, device="cuda", generator=g)[:tokens]
+    if tokens > 1:
+        slots[tokens - tokens // 4:] = -1
+    return (nh, nkv, d), y, cos, sin, kc, vc, slots
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 256])
+def test_qkv_rotary_store_qwen_shapes(tokens):
+    """Rotary of q and k and the KV store in one launch: q and the caches as rotary + store_kv leave them (within
+    an ulp: an FMA may contract differently; v to the bit), the reference's to bf16 rounding, and no cache entry
+    outside the step's slots touched."""
+    from dark.kernels.norm_rope import rotary
+    from dark.kernels.paged_attention import qkv_rotary_store, qkv_rotary_store_reference, store_kv
+
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    (nh, nkv, d), y, cos, sin, kc, vc, slots = _qkv_store_case(tokens, g)
+    k0, v0 = kc.clone(), vc.clone()
+    k_ref, v_ref, k_old, v_old = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    q = qkv_rotary_store(y, nh, nkv, d, cos, sin, kc, vc, slots)
+    q_ref = qkv_rotary_store_reference(y, nh, nkv, d, cos, sin, k_ref, v_ref, slots)
+    qs, ks, vs = y.split([nh * d, nkv * d, nkv * d], -1)
+    q_old = rotary(qs.reshape(tokens, nh, d), cos, sin)
+    store_kv(rotary(ks.reshape(tokens, nkv, d), cos, sin), vs.reshape(tokens, nkv, d), k_old, v_old, slots)
+    assert _ulps(q, q_old) <= 1 and _ulps(kc, k_old) <= 1 and torch.equal(vc, v_old)
+    assert rel_err(q, q_ref) < 1e-2 and rel_err(kc, k_ref) < 1e-2 and torch.equal(vc, v_ref)
+    untouched = torch.ones(kc.shape[0] * kc.shape[1], dtype=torch.bool, device="cuda")
+    untouched[slots[slots >= 0]] = False
+    for c, c0 in ((kc, k0), (vc, v0)):
+        assert torch.equal(c.view(-1, nkv, d)[untouched], c0.view(-1, nkv, d)[untouched])
+
+
+def test_fused_decode_attention_in_a_cuda_graph():
+    """A decode layer's attention through the fused route captured in one CUDA graph (qkv_rotary_store, then
+    paged_decode, as PagedDecodeAttention.attend_fused_qkv runs them): replays after new slots, positions and
+    contexts are copied into the static tensors store at the new slots and give the reference attention."""
+    from dark.kernels.paged_attention import (paged_decode, paged_decode_reference, qkv_rotary_store,
+                                              qkv_rotary_store_reference)
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    rows = 8
+    (nh, nkv, d), y, cos, sin, kc, vc, _ = _qkv_store_case(rows, g)
+    blocks, bs = kc.shape[:2]
+    pages = 8
+    tables = torch.randperm(blocks, device="cuda", generator=g)[:rows * pages].view(rows, pages).to(torch.int32)
+    slots = torch.full((rows,), -1, device="cuda", dtype=torch.long)
+    ctx = torch.zeros(rows, device="cuda", dtype=torch.long)
+    out = torch.empty(rows, nh, d, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        q = qkv_rotary_store(y, nh, nkv, d, cos, sin, kc, vc, slots)
+        out.copy_(paged_decode(q, kc, vc, tables, ctx, d ** -0.5))
+
+    graph = _capture(step)
+    for replay in range(3):
+        lengths = torch.randint(1, pages * bs + 1, (rows,), device="cuda", generator=g)
+        lengths[-1] = 0  # a padded row: nothing stored, zeros out
+        pos = (lengths - 1).clamp_min(0)
+        new_slots = tables.gather(1, (pos // bs)[:, None]).squeeze(1).long() * bs + pos % bs
+        new_slots[-1] = -1
+        y.copy_(torch.randn(y.shape, device="cuda", generator=g).to(y.dtype))
+        ang = pos[:, None].float() * (10000 ** (-torch.arange(0, d, 2, device="cuda") / d))[None]
+        cos.copy_(torch.cat([ang, ang], -1).cos())
+        sin.copy_(torch.cat([ang, ang], -1).sin())
+        slots.copy_(new_slots)
+        ctx.copy_(lengths)
+        k_ref, v_ref = kc.clone(), vc.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        q_ref = qkv_rotary_store_reference(y, nh, nkv, d, cos, sin, k_ref, v_ref, slots)
+        assert rel_err(kc, k_ref) < 1e-2 and torch.equal(vc, v_ref), replay
+        ref = paged_decode_reference(q_ref, k_ref, v_ref, tables, ctx, d ** -0.5)
+        assert rel_err(out, ref) < BF16_TOL and (out[-1] == 0).all(), replay
+
+
 def test_norm_rope_train_qwen_shapes():
     """The training Functions at a Qwen2.5-7B layer's sizes (512 tokens, hidden 3584, 28/4 heads of 128,
     intermediate 18944, bf16): forward and the input's gradient against autograd through the references."""
@@ -372,3 +479,18 @@ def test_slot_lora_kernels_qwen_step(fused, monkeypatch):
     y = torch.randn(64, 3584, device="cuda", generator=g).to(torch.bfloat16)
     _check_delta(fast.apply(0, "down_proj", x, y.clone()), dense.apply(0, "down_proj", x, y.clone()), y,
                  token_slots, BF16_TOL)
+
+
+@pytest.mark.parametrize("n,k,bias", [(4608, 3584, True), (3584, 3584, False), (37888, 3584, False),
+                                      (3584, 18944, False), (152064, 3584, False)])
+def test_gemv_qwen_shapes(n, k, bias):
+    """The batch-1 projections of Qwen2.5-7B (q/k/v with bias, o, gate/up, down, LM head) through the GEMV kernel."""
+    from dark.kernels.gemv import gemv
+
+    g = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(1, k, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
+    b = torch.randn(n, device="cuda", generator=g).bfloat16() if bias else None
+    ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    out = gemv(x, w, b).float()
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-2

@@ -103,7 +103,12 @@ class ModelConfig:
 
 
 class Attention(Protocol):
-    """How a layer's queries find their keys: paged cache (serving) or a dense causal batch (training)."""
+    """How a layer's queries find their keys: paged cache (serving) or a dense causal batch (training).
+
+    One that also has `attend_fused_qkv(layer, y, nh, nkv, d, cos, sin)` takes, in passes without autograd with the
+    fused kernels on, the fused q/k/v projection output y [T, (nh + 2 * nkv) * d] as it is, unrotated, and returns
+    attend's output for it (PagedDecodeAttention: rotary and the cache store in one launch); others get q, k and v.
+    """
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
@@ -138,15 +143,24 @@ def _grouped(lora) -> bool:
     return lora is None or hasattr(lora, "apply_group")
 
 
+def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fused: bool) -> torch.Tensor:
+    """F.linear; for one token in a pass without autograd with the fused kernels on (a batch-1 decode step), the
+    Triton GEMV (dark.kernels.gemv), which reads the weights faster than cuBLAS at every such shape measured."""
+    if fused and x.dim() == 2 and x.shape[0] == 1 and not torch.is_grad_enabled():
+        return kernel_module("gemv").gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, layer: int, name: str):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.layer, self.name = layer, name
+        self.fused = False  # CausalLM.use_fused_kernels
 
     def forward(self, x: torch.Tensor, lora: LoRA | None) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = _project(x, self.weight, self.bias, self.fused)
         return y if lora is None else lora.apply(self.layer, self.name, x, y)
 
 
@@ -168,6 +182,14 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(x + delta), x + delta): one launch of the Triton add_rms_norm in passes without autograd with the
+        fused kernels on (the add's values, and rms_norm's of them), else the add, then forward."""
+        if self.fused and not torch.is_grad_enabled():
+            return kernel_module("norm_rope").add_rms_norm(x, delta, self.weight, self.eps)
+        x = x + delta
+        return self(x), x
 
 
 class Rotary(nn.Module):
@@ -223,13 +245,17 @@ class SelfAttention(nn.Module):
         t = x.shape[0]
         training = self.fused and torch.is_grad_enabled()  # the Triton kernels' autograd forms
         if self.qkv is not None and _grouped(lora):
-            y = F.linear(x, *self.qkv)
+            y = _project(x, *self.qkv, self.fused)
             if lora is not None:
                 y = lora.apply_group(self.layer, "qkv", x, y)
             if training and self.q_norm is None:
                 # split, rotary and their backward in a few launches, one gradient for y
                 q, k, v = kernel_module("norm_rope").qkv_rotary_train(y, self.nh, self.nkv, self.d, cos, sin)
                 return self.o_proj(attn.attend(self.layer, q, k, v).reshape(t, self.nh * self.d), lora)
+            if self.fused and not training and self.q_norm is None and hasattr(attn, "attend_fused_qkv"):
+                # serving's decode attention: rotary of q and k and the cache store in one launch, on y as it is
+                out = attn.attend_fused_qkv(self.layer, y, self.nh, self.nkv, self.d, cos, sin)
+                return self.o_proj(out.reshape(t, self.nh * self.d), lora)
             q, k, v = y.split([self.nh * self.d, self.nkv * self.d, self.nkv * self.d], -1)
             q, k, v = q.reshape(t, self.nh, self.d), k.reshape(t, self.nkv, self.d), v.reshape(t, self.nkv, self.d)
         else:
@@ -261,7 +287,7 @@ class MLP(nn.Module):
 
     def forward(self, x, lora: LoRA | None):
         if self.gate_up is not None and _grouped(lora):
-            y = F.linear(x, *self.gate_up)
+            y = _project(x, *self.gate_up, self.fused)
             if lora is not None:
                 y = lora.apply_group(self.layer, "gate_up", x, y)
             if self.fused:  # silu(gate) * up in one launch (and one for its backward)
@@ -282,9 +308,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, layer)
 
-    def forward(self, x, cos, sin, attn, lora):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, lora)
-        return x + self.mlp(self.post_attention_layernorm(x), lora)
+    def forward(self, x, cos, sin, attn, lora, pending=None, defer: bool = False):
+        """x -> x after the layer. defer (CausalLM.hidden_states: passes without autograd, fused kernels on): each
+        residual add goes into the Triton add_rms_norm of the norm after it, so the layer takes and returns
+        (x, pending): pending (None in the first layer) is the previous MLP's output, still to be added to x."""
+        if not defer:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, lora)
+            return x + self.mlp(self.post_attention_layernorm(x), lora)
+        if pending is None:
+            h = self.input_layernorm(x)
+        else:
+            h, x = self.input_layernorm.add_forward(x, pending)
+        h, x = self.post_attention_layernorm.add_forward(x, self.self_attn(h, cos, sin, attn, lora))
+        return x, self.mlp(h, lora)
 
 
 class Backbone(nn.Module):
@@ -309,9 +345,12 @@ class CausalLM(nn.Module):
     def use_fused_kernels(self, on: bool) -> None:
         """RMSNorm, rotary and SiLU * mul through the Triton kernels (dark.kernels.norm_rope): plain kernels in
         passes without autograd (serving, reference passes), their autograd Functions in training passes (one
-        launch each way instead of ~7-10 small kernels and their backward)."""
+        launch each way instead of ~7-10 small kernels and their backward). A single token's projections (batch-1
+        decode) go through the GEMV kernel (dark.kernels.gemv). Passes without autograd also fold each
+        residual add into the norm after it (add_rms_norm), and give an attention with attend_fused_qkv (the decode
+        one) the fused q/k/v output to rotate and store in one launch."""
         for m in self.modules():
-            if isinstance(m, (RMSNorm, SelfAttention, MLP)):
+            if isinstance(m, (RMSNorm, SelfAttention, MLP, Linear)):
                 m.fused = on
 
     def fuse_projections(self) -> None:
@@ -328,10 +367,18 @@ class CausalLM(nn.Module):
 
         checkpoint (training): when gradients are on, autograd keeps only each layer's input and runs the
         layer again in backward, instead of keeping every intermediate of every layer (the MLP's alone are
-        several times the hidden size per token). Passes without gradients (serving) ignore it.
+        several times the hidden size per token). Passes without gradients (serving) ignore it; with the fused
+        kernels on, they hand each layer's MLP output on unadded (DecoderLayer's defer), to the next norm's launch.
         """
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
+        if self.model.norm.fused and not torch.is_grad_enabled():
+            # the residual adds folded into the next norm's launch (add_rms_norm): 2 launches fewer a layer, the
+            # same values; the last MLP's output is added in the final norm's
+            pending = None
+            for layer in self.model.layers:
+                x, pending = layer(x, cos, sin, attn, lora, pending, True)
+            return self.model.norm(x) if pending is None else self.model.norm.add_forward(x, pending)[0]
         remat = checkpoint and torch.is_grad_enabled()
         for layer in self.model.layers:
             if remat:
