@@ -122,25 +122,25 @@ if triton is not None:
         tl.store(dst + HALF, (x2 * c2 + x1 * s2).to(dt), mask=hm)
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, size, stride_gu, stride_o, BLOCK: tl.constexpr):
-        # one row's BLOCK columns of gate (columns [0, size) of gate_up) and of up ([size, 2 * size))
+    def _gate_up_block(gu_ptr, size, stride_gu, BLOCK: tl.constexpr):
+        # this program's row and BLOCK columns of gate (columns [0, size) of gate_up) and of up ([size, 2 * size))
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = col < size
         src = gu_ptr + row * stride_gu + col
         g = tl.load(src, mask=m, other=0.0).to(tl.float32)
         u = tl.load(src + size, mask=m, other=0.0).to(tl.float32)
+        return row, col, m, g, u
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, size, stride_gu, stride_o, BLOCK: tl.constexpr):
+        row, col, m, g, u = _gate_up_block(gu_ptr, size, stride_gu, BLOCK)
         tl.store(out_ptr + row * stride_o + col, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _silu_mul_bwd_kernel(gu_ptr, dy_ptr, dgu_ptr, size, stride_gu, stride_dy, stride_dgu, BLOCK: tl.constexpr):
         # y = g * s * u with s = sigmoid(g): dgate = dy * u * s * (1 + g * (1 - s)), dup = dy * g * s
-        row = tl.program_id(0).to(tl.int64)
-        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        m = col < size
-        src = gu_ptr + row * stride_gu + col
-        g = tl.load(src, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(src + size, mask=m, other=0.0).to(tl.float32)
+        row, col, m, g, u = _gate_up_block(gu_ptr, size, stride_gu, BLOCK)
         dy = tl.load(dy_ptr + row * stride_dy + col, mask=m, other=0.0).to(tl.float32)
         s = tl.sigmoid(g)
         dst = dgu_ptr + row * stride_dgu + col

@@ -39,6 +39,16 @@ def lora_on_everything(model, seed: int = 0) -> TrainLoRA:
     return TrainLoRA(params, weights.scaling, {m: o for m, (_, o) in cfg.projection_shapes().items()})
 
 
+def shared_prefix_batch(model, prefix: int, batch: int, length: int, seed: int):
+    """Random token ids and positions of a shared-prefix batch (the trainer's layout), and random weights for a
+    loss on its hidden states."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (prefix + batch * length,), generator=gen)
+    pos = torch.tensor(list(range(prefix)) + list(range(prefix, prefix + length)) * batch)
+    weight = torch.randn(prefix + batch * length, model.config.hidden_size, generator=gen)
+    return ids, pos, weight
+
+
 def grads(lora: TrainLoRA) -> dict:
     return {k: (a.grad.clone(), b.grad.clone()) for k, (a, b) in lora.params.items()}
 
@@ -92,10 +102,7 @@ def test_layer_checkpointing_gives_the_same_loss_and_gradients(llm):
     model = llm.learner.trainer.model
     lora = lora_on_everything(model)
     prefix, batch, length = 5, 2, 9
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, model.config.vocab_size, (prefix + batch * length,), generator=gen)
-    pos = torch.tensor(list(range(prefix)) + list(range(prefix, prefix + length)) * batch)
-    weight = torch.randn(prefix + batch * length, model.config.hidden_size, generator=gen)
+    ids, pos, weight = shared_prefix_batch(model, prefix, batch, length, seed=1)
     results = {}
     for checkpoint in (False, True):
         zero_grads(lora)
@@ -409,10 +416,7 @@ def test_training_through_the_triton_kernels_matches_plain_torch(tiny_models, tm
         model = llm.model
         lora = lora_on_everything(model)
         prefix, batch, length = 3, 2, 6
-        gen = torch.Generator().manual_seed(2)
-        ids = torch.randint(0, model.config.vocab_size, (prefix + batch * length,), generator=gen)
-        pos = torch.tensor(list(range(prefix)) + list(range(prefix, prefix + length)) * batch)
-        weight = torch.randn(prefix + batch * length, model.config.hidden_size, generator=gen)
+        ids, pos, weight = shared_prefix_batch(model, prefix, batch, length, seed=2)
         results = {}
         try:
             for fused, checkpoint in ((False, False), (True, False), (True, True)):
