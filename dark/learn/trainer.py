@@ -287,6 +287,10 @@ class Trainer:
         # part of the SMs, dark.learn.jobs.training_stream) when one is set, else on self.stream
         self.shared_stream: torch.cuda.Stream | None = None
         self.serving_busy: Callable[[], bool] = lambda: False
+        if self.stream is not None and hasattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch"):
+            # the factors' gradient accumulators outlive a step, and steps (and parts) move between the trainer's
+            # streams on purpose, each waiting for the last (_step_stream): the mismatch warning would fire every job
+            torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
 
     # --- batches ---
     def _forward(self, rendered: list[Rendered], lora, checkpoint_tokens: int = -1) -> tuple[torch.Tensor, int, int, bool]:
