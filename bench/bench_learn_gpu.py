@@ -332,9 +332,23 @@ def bench_dark_decode(llm, clock, args, device, report, save, solo_rate) -> None
             while len(stamps) < 2 and th.is_alive():
                 time.sleep(0.01)
             fig, g, t0, t1 = one_run(10 + i)
+            tokens = args.train_batch * args.seq_len
+            rounds = 1
+            # a training rate needs two step ends inside the window, and a step slowed by serving can outlast one
+            # run of the streams: more runs follow back to back (5 in all at most), their latencies pooled
+            while rate_between(stamps, t0, t1, tokens)["tok_s"] is None and rounds < 5 and th.is_alive():
+                more, g2, _, t1 = one_run(100 + 10 * i + rounds)
+                g = g + g2
+                rounds += 1
+                fig.update(latency(g), gaps_over_2x_p50=sum(x > 2 * statistics.median(g) for x in g),
+                           slowest_at_step=max(range(len(g)), key=g.__getitem__),
+                           gc={"count": fig["gc"]["count"] + more["gc"]["count"],
+                               "gen2": fig["gc"]["gen2"] + more["gc"]["gen2"],
+                               "max_ms": max(fig["gc"]["max_ms"], more["gc"]["max_ms"])})
+            fig["rounds"] = rounds
             stop.set()
             th.join(timeout=120)
-            during = rate_between(stamps, t0, t1, args.train_batch * args.seq_len)
+            during = rate_between(stamps, t0, t1, tokens)
             fig.update(train_tok_s_during=during["tok_s"], train_steps_during=during["steps"],
                        trainer_stopped=not th.is_alive(), errors=errors)
         runs.append({"mode": mode, **fig})
