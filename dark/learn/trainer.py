@@ -263,9 +263,10 @@ def load_optimizer_state(path) -> dict:
     shapes = [(s, n, v[1]) for s in state["state"].values() for n, v in s.items()
               if isinstance(v, tuple) and len(v) == 2 and v[0] == "moment"]
     want = sum(math.prod(shape) for _, _, shape in shapes)
-    if len(data) != 4 * want:
-        raise ValueError(f"{path}: the moments end early ({len(data)} bytes, the header describes {4 * want})"
-                         if len(data) < 4 * want else f"{path}: {len(data) - 4 * want} bytes more than the header describes")
+    if len(data) < 4 * want:
+        raise ValueError(f"{path}: the moments end early ({len(data)} bytes, the header describes {4 * want})")
+    if len(data) > 4 * want:
+        raise ValueError(f"{path}: {len(data) - 4 * want} bytes more than the header describes")
     flat = torch.frombuffer(data, dtype=torch.float32) if data else torch.empty(0)
     i = 0
     for s, n, shape in shapes:
