@@ -655,6 +655,9 @@ class _LaunchCounter:
             def __init__(self, kernel, name):
                 self.kernel, self.name = kernel, name
 
+            def __call__(self, *args, **kwargs):  # a jit helper called from inside a kernel: no launch of its own
+                return self.kernel(*args, **kwargs)
+
             def __getitem__(self, grid):
                 launch = self.kernel[grid]
 
