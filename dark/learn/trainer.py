@@ -87,13 +87,21 @@ class TrainLoRA:
             for group, members in MEMBERS.items():
                 ps = [self.params.get((layer, m)) for m in members]
                 if all(p is not None for p in ps):
-                    cast[(layer, group)] = (torch.cat([p[0] for p in ps]).to(dtype),
-                                            (torch.block_diag(*[p[1] for p in ps]) * self.scaling).to(dtype))
+                    cast[(layer, group)] = self._stacked(ps, dtype)
                     grouped.update((layer, m) for m in members)
-        for key, (a, b) in self.params.items():
+        for key, p in self.params.items():
             if key not in grouped:
-                cast[key] = (a.to(dtype), (b * self.scaling).to(dtype))
+                cast[key] = self._stacked([p], dtype)
         return TrainLoRA(self.params, self.scaling, self.outs, cast)
+
+    def _stacked(self, ps: list[tuple[torch.Tensor, torch.Tensor]],
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The factors of one projection, or of a fused group's members, for one GEMM each in dtype: their A stacked
+        [members * r, in], their B (scaled) as one block-diagonal [sum of outs, members * r]."""
+        if len(ps) == 1:
+            return ps[0][0].to(dtype), (ps[0][1] * self.scaling).to(dtype)
+        return (torch.cat([p[0] for p in ps]).to(dtype),
+                (torch.block_diag(*[p[1] for p in ps]) * self.scaling).to(dtype))
 
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         ready = self.cast.get((layer, module))
@@ -107,7 +115,8 @@ class TrainLoRA:
         if x.dtype in (torch.bfloat16, torch.float16):
             # in the activations' precision, with the (tiny) factors cast to it: autograd then keeps the x
             # that exists anyway, not an fp32 copy of every projection input. The scaling rides on B
-            return torch.addmm(y, x @ a.to(x.dtype).t(), (b * self.scaling).to(x.dtype).t())
+            a, b = self._stacked([p], x.dtype)
+            return torch.addmm(y, x @ a.t(), b.t())
         return y + ((x.to(a.dtype) @ a.t()) @ b.t() * self.scaling).to(y.dtype)
 
     def apply_group(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -128,8 +137,7 @@ class TrainLoRA:
                 parts.append(self.apply(layer, m, x, y[:, col:col + n]))
                 col += n
             return torch.cat(parts, 1)
-        a = torch.cat([p[0] for p in ps]).to(x.dtype)                          # [members * r, in]
-        b = (torch.block_diag(*[p[1] for p in ps]) * self.scaling).to(x.dtype)  # [sum of outs, members * r]
+        a, b = self._stacked(ps, x.dtype)
         return torch.addmm(y, x @ a.t(), b.t())
 
 
