@@ -122,6 +122,30 @@ if triton is not None:
         return tl.maximum(s, 0), s >= 0, tl.maximum(tok, 0), pm
 
     @triton.jit
+    def _codes(x_ptr, a_ptr, s, tok, pm, start, K, stride_xt, stride_as, stride_ar, R: tl.constexpr,
+               BR: tl.constexpr, MB: tl.constexpr, LENGTH: tl.constexpr, BK: tl.constexpr, MEMBERS: tl.constexpr,
+               STRIDE: tl.constexpr, BT: tl.constexpr, UPCAST: tl.constexpr):
+        """The block's fp32 codes x @ A^T [BT, MB] over columns [start, start + LENGTH) of x (those below K), for
+        adapter slot s; code column c is member c // BR's rank row c % BR. Returns (codes, c, member, rank row)."""
+        c = tl.arange(0, MB)
+        m = c // BR
+        r = c % BR
+        cm = (m < MEMBERS) & (r < R)
+        arow = (m * STRIDE + r).to(tl.int64)
+        acc = tl.zeros([BT, MB], tl.float32)
+        for k0 in range(0, LENGTH, BK):  # constant trip count; the tail is masked
+            kk = start + k0 + tl.arange(0, BK)
+            km = kk < K
+            x = tl.load(x_ptr + tok[:, None] * stride_xt + kk[None, :], mask=pm[:, None] & km[None, :], other=0.0)
+            a = tl.load(a_ptr + s * stride_as + arow[None, :] * stride_ar + kk[:, None],
+                        mask=cm[None, :] & km[:, None], other=0.0)  # [BK, MB]: the tile, once per block
+            if UPCAST or x.dtype == tl.float32:
+                acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, a.to(x.dtype), acc)
+        return acc, c, m, r
+
+    @triton.jit
     def _shrink_kernel(x_ptr, a_ptr, table_ptr, h_ptr, K, stride_xt, stride_as, stride_ar,
                        R: tl.constexpr, BR: tl.constexpr, MB: tl.constexpr, CHUNK: tl.constexpr,
                        BK: tl.constexpr, SPLITS: tl.constexpr, MEMBERS: tl.constexpr, STRIDE: tl.constexpr,
@@ -129,25 +153,38 @@ if triton is not None:
         sp = tl.program_id(1)
         s, owns, tok, pm = _block(table_ptr, BT, SORTED)
         if owns:
-            c = tl.arange(0, MB)  # code column: member c // BR, rank row c % BR
-            m = c // BR
-            r = c % BR
-            cm = (m < MEMBERS) & (r < R)
-            arow = (m * STRIDE + r).to(tl.int64)
-            acc = tl.zeros([BT, MB], tl.float32)
-            for k0 in range(0, CHUNK, BK):  # constant trip count; the tail is masked
-                kk = sp * CHUNK + k0 + tl.arange(0, BK)
-                km = kk < K
-                x = tl.load(x_ptr + tok[:, None] * stride_xt + kk[None, :], mask=pm[:, None] & km[None, :],
-                            other=0.0)
-                a = tl.load(a_ptr + s * stride_as + arow[None, :] * stride_ar + kk[:, None],
-                            mask=cm[None, :] & km[:, None], other=0.0)  # [BK, MB]: the tile, once per block
-                if UPCAST or x.dtype == tl.float32:
-                    acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(x, a.to(x.dtype), acc)
+            acc, c, _, _ = _codes(x_ptr, a_ptr, s, tok, pm, sp * CHUNK, K, stride_xt, stride_as, stride_ar,
+                                  R, BR, MB, CHUNK, BK, MEMBERS, STRIDE, BT, UPCAST)
             tl.store(h_ptr + (tok[:, None] * SPLITS + sp) * (MEMBERS * BR) + c[None, :], acc,
                      mask=pm[:, None] & (c < MEMBERS * BR)[None, :])
+
+    @triton.jit
+    def _add_expanded(h, b_ptr, y_ptr, s, tok, pm, m, r, nb, N, N1, N2, stride_bs, stride_br, stride_yt,
+                      R: tl.constexpr, BN: tl.constexpr, TILES: tl.constexpr, UPCAST: tl.constexpr):
+        """y[tok, n] += h @ B for TILES tiles of BN columns from column tile nb * TILES on: h [BT, MB] the block's
+        fp32 codes (code column c: member m = c // BR, rank row r = c % BR), B of adapter slot s, each member's
+        rank rows kept only in its own columns (N1, N2: where the second and third members' outputs start)."""
+        if UPCAST or b_ptr.dtype.element_ty == tl.float32:
+            hi = h
+            lo = h
+        else:  # fp32 codes as hi + lo halves: the tensor cores, with the code not rounded to bf16
+            hi = h.to(b_ptr.dtype.element_ty)
+            lo = (h - hi.to(tl.float32)).to(b_ptr.dtype.element_ty)
+        for t in range(TILES):  # TILES tiles of BN columns each, the codes loaded once for all
+            n = (nb * TILES + t) * BN + tl.arange(0, BN)
+            nm = n < N
+            member = (n >= N1).to(tl.int32) + (n >= N2).to(tl.int32)  # which member's output each column is
+            # row c of the tile is B's rank row c % BR, kept only in the columns of member c // BR
+            b = tl.load(b_ptr + s * stride_bs + r[:, None] * stride_br + n[None, :],
+                        mask=(r < R)[:, None] & (m[:, None] == member[None, :]) & nm[None, :], other=0.0)
+            if UPCAST or b_ptr.dtype.element_ty == tl.float32:
+                d = tl.dot(h, b.to(tl.float32), input_precision="ieee")
+            else:
+                d = tl.dot(lo, b, tl.dot(hi, b))
+            yp = y_ptr + tok[:, None] * stride_yt + n[None, :]
+            ym = pm[:, None] & nm[None, :]
+            y = tl.load(yp, mask=ym, other=0.0).to(tl.float32)
+            tl.store(yp, (y + d).to(y_ptr.dtype.element_ty), mask=ym)
 
     @triton.jit
     def _expand_kernel(h_ptr, b_ptr, table_ptr, y_ptr, N, N1, N2, stride_bs, stride_br, stride_yt,
@@ -165,27 +202,8 @@ if triton is not None:
             h = tl.zeros([BT, MB], tl.float32)
             for sp in tl.static_range(SPLITS):  # unrolled: the partials' loads all in flight at once
                 h += tl.load(hp + sp * (MEMBERS * BR), mask=hm, other=0.0)
-            if UPCAST or b_ptr.dtype.element_ty == tl.float32:
-                hi = h
-                lo = h
-            else:  # fp32 codes as hi + lo halves: the tensor cores, with the code not rounded to bf16
-                hi = h.to(b_ptr.dtype.element_ty)
-                lo = (h - hi.to(tl.float32)).to(b_ptr.dtype.element_ty)
-            for t in range(TILES):  # TILES tiles of BN columns each, the codes loaded once for all
-                n = (nb * TILES + t) * BN + tl.arange(0, BN)
-                nm = n < N
-                member = (n >= N1).to(tl.int32) + (n >= N2).to(tl.int32)  # which member's output each column is
-                # row c of the tile is B's rank row c % BR, kept only in the columns of member c // BR
-                b = tl.load(b_ptr + s * stride_bs + r[:, None] * stride_br + n[None, :],
-                            mask=(r < R)[:, None] & (m[:, None] == member[None, :]) & nm[None, :], other=0.0)
-                if UPCAST or b_ptr.dtype.element_ty == tl.float32:
-                    d = tl.dot(h, b.to(tl.float32), input_precision="ieee")
-                else:
-                    d = tl.dot(lo, b, tl.dot(hi, b))
-                yp = y_ptr + tok[:, None] * stride_yt + n[None, :]
-                ym = pm[:, None] & nm[None, :]
-                y = tl.load(yp, mask=ym, other=0.0).to(tl.float32)
-                tl.store(yp, (y + d).to(y_ptr.dtype.element_ty), mask=ym)
+            _add_expanded(h, b_ptr, y_ptr, s, tok, pm, m, r, nb, N, N1, N2, stride_bs, stride_br, stride_yt,
+                          R, BN, TILES, UPCAST)
 
 
     @triton.jit
@@ -200,44 +218,11 @@ if triton is not None:
         nb = tl.program_id(1)
         s, owns, tok, pm = _block(table_ptr, BT, SORTED)
         if owns:
-            c = tl.arange(0, MB)  # code column: member c // BR, rank row c % BR
-            m = c // BR
-            r = c % BR
-            cm = (m < MEMBERS) & (r < R)
-            arow = (m * STRIDE + r).to(tl.int64)
-            h = tl.zeros([BT, MB], tl.float32)
-            for k0 in range(0, K, BK):  # every member's A rows, read once per block (from L2 after the first)
-                kk = k0 + tl.arange(0, BK)
-                km = kk < K
-                x = tl.load(x_ptr + tok[:, None] * stride_xt + kk[None, :], mask=pm[:, None] & km[None, :],
-                            other=0.0)
-                a = tl.load(a_ptr + s * stride_as + arow[None, :] * stride_ar + kk[:, None],
-                            mask=cm[None, :] & km[:, None], other=0.0)  # [BK, MB]
-                if UPCAST or x.dtype == tl.float32:
-                    h = tl.dot(x.to(tl.float32), a.to(tl.float32), h, input_precision="ieee")
-                else:
-                    h = tl.dot(x, a.to(x.dtype), h)
-            if UPCAST or b_ptr.dtype.element_ty == tl.float32:
-                hi = h
-                lo = h
-            else:  # fp32 codes as hi + lo halves: the tensor cores, with the code not rounded to bf16
-                hi = h.to(b_ptr.dtype.element_ty)
-                lo = (h - hi.to(tl.float32)).to(b_ptr.dtype.element_ty)
-            for t in range(TILES):
-                n = (nb * TILES + t) * BN + tl.arange(0, BN)
-                nm = n < N
-                member = (n >= N1).to(tl.int32) + (n >= N2).to(tl.int32)  # which member's output each column is
-                # row c of the tile is B's rank row c % BR, kept only in the columns of member c // BR
-                b = tl.load(b_ptr + s * stride_bs + r[:, None] * stride_br + n[None, :],
-                            mask=(r < R)[:, None] & (m[:, None] == member[None, :]) & nm[None, :], other=0.0)
-                if UPCAST or b_ptr.dtype.element_ty == tl.float32:
-                    d = tl.dot(h, b.to(tl.float32), input_precision="ieee")
-                else:
-                    d = tl.dot(lo, b, tl.dot(hi, b))
-                yp = y_ptr + tok[:, None] * stride_yt + n[None, :]
-                ym = pm[:, None] & nm[None, :]
-                y = tl.load(yp, mask=ym, other=0.0).to(tl.float32)
-                tl.store(yp, (y + d).to(y_ptr.dtype.element_ty), mask=ym)
+            # every member's A rows over the whole of K, read once per block (from L2 after the first)
+            h, _, m, r = _codes(x_ptr, a_ptr, s, tok, pm, 0, K, stride_xt, stride_as, stride_ar,
+                                R, BR, MB, K, BK, MEMBERS, STRIDE, BT, UPCAST)
+            _add_expanded(h, b_ptr, y_ptr, s, tok, pm, m, r, nb, N, N1, N2, stride_bs, stride_br, stride_yt,
+                          R, BN, TILES, UPCAST)
 
 
 def _interpreted() -> bool:
