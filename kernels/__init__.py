@@ -18,3 +18,41 @@ def available(device: torch.device) -> bool:
     except ImportError:
         return False
     return True
+
+
+_PDL: dict = {}
+
+
+def pdl(device: torch.device) -> dict:
+    """Launch options for the forward kernels on `device`: {"PDL": True, "launch_pdl": True} where programmatic
+    dependent launch works (CUDA compute capability 9 and up: Hopper), else {"PDL": False}.
+
+    With it a kernel is launched while the one before it in the stream is still finishing: its programs start
+    as the earlier kernel's last ones run, do what does not depend on it (a GEMV reads its first weight tile),
+    then wait in `wait_prior` until the earlier kernel's writes are visible. A decode step is ~300 short kernels
+    back to back, so the gap between two of them is a good part of the step. DARK_PDL=0 turns it off."""
+    device = torch.device(device)
+    if device.type != "cuda" or os.environ.get("DARK_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+        return {"PDL": False}
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _PDL:
+        _PDL[key] = torch.cuda.get_device_capability(key)[0] >= 9
+    return {"PDL": True, "launch_pdl": True} if _PDL[key] else {"PDL": False}
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def wait_prior(PDL: tl.constexpr):
+        """Under programmatic dependent launch: wait until the kernel before this one in the stream has finished
+        and its writes are visible (nothing it writes may be read, and nothing it reads written, before this),
+        then let the next kernel start launching. A no-op without it."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()

@@ -10,11 +10,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import pdl
+
 try:
     import triton
     import triton.language as tl
 except ImportError:
     triton = None
+else:
+    from . import wait_prior
 
 
 def gemv_reference(x, weight, bias=None):
@@ -25,15 +29,24 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
-                     M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     FIRST_K: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < N
-        kk = tl.arange(0, BLOCK_K)
         rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+        # the first FIRST_K columns of this program's rows are read before waiting for the kernel before (the
+        # weights never depend on it): under programmatic dependent launch that read overlaps its tail
+        k1 = tl.arange(0, FIRST_K)
+        k1m = k1 < K
+        w1 = tl.load(rows + k1[None, :], mask=nm[:, None] & k1m[None, :], other=0.0).to(tl.float32)
+        wait_prior(PDL)
+        kk = tl.arange(0, BLOCK_K)
         for m in tl.static_range(M):
+            x1 = tl.load(x_ptr + m * stride_xm + k1, mask=k1m, other=0.0).to(tl.float32)
+            y = tl.sum(w1 * x1[None, :], 1)
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            k0 = 0
+            k0 = FIRST_K
             while k0 < K:  # a while loop: the interpreter cannot take tensor bounds in range()
                 k = k0 + kk
                 km = k < K
@@ -41,7 +54,7 @@ if triton is not None:
                 xv = tl.load(x_ptr + m * stride_xm + k, mask=km, other=0.0)
                 acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
                 k0 += BLOCK_K
-            y = tl.sum(acc, 1)
+            y += tl.sum(acc, 1)
             if HAS_BIAS:
                 y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
             tl.store(out_ptr + m * stride_om + n, y.to(out_ptr.dtype.element_ty), mask=nm)
@@ -59,9 +72,10 @@ def config(n: int, k: int) -> tuple[int, int, int]:
 
 
 def gemv(x, weight, bias=None, block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-         num_stages: int = 3):
+         num_stages: int = 3, first_k: int | None = None):
     """x [M, K] (M small: the kernel reads W once per row of x, so it is for M = 1), weight [N, K] with unit stride
-    along K, bias [N] or None -> [M, N] in x's dtype. Block sizes default to config(N, K)."""
+    along K, bias [N] or None -> [M, N] in x's dtype. Block sizes default to config(N, K); first_k (a power of
+    two, default block_k) columns of each row are read before the wait for the kernel before."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     M, K = x.shape
@@ -69,9 +83,10 @@ def gemv(x, weight, bias=None, block_n: int | None = None, block_k: int | None =
     assert weight.shape[1] == K and weight.stride(1) == 1
     bn, bk, nw = config(N, K)
     block_n, block_k, num_warps = block_n or bn, block_k or bk, num_warps or nw
+    first_k = first_k or block_k
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     _gemv_kernel[(triton.cdiv(N, block_n),)](x, weight, bias if bias is not None else weight, out, N, K, x.stride(0),
                                              weight.stride(0), out.stride(0), M=M, HAS_BIAS=bias is not None,
-                                             BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-                                             num_stages=num_stages)
+                                             BLOCK_N=block_n, BLOCK_K=block_k, FIRST_K=first_k, num_warps=num_warps,
+                                             num_stages=num_stages, **pdl(x.device))
     return out

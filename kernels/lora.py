@@ -49,11 +49,15 @@ import os
 
 import torch
 
+from . import pdl
+
 try:
     import triton
     import triton.language as tl
 except ImportError:
     triton = None
+else:
+    from . import wait_prior
 
 BLOCK_T = 16  # tokens of one segment per program (tl.dot needs 16 rows at least; short blocks are masked)
 
@@ -149,7 +153,9 @@ if triton is not None:
     def _shrink_kernel(x_ptr, a_ptr, table_ptr, h_ptr, K, stride_xt, stride_as, stride_ar,
                        R: tl.constexpr, BR: tl.constexpr, MB: tl.constexpr, CHUNK: tl.constexpr,
                        BK: tl.constexpr, SPLITS: tl.constexpr, MEMBERS: tl.constexpr, STRIDE: tl.constexpr,
-                       BT: tl.constexpr, SORTED: tl.constexpr, UPCAST: tl.constexpr):
+                       BT: tl.constexpr, SORTED: tl.constexpr, UPCAST: tl.constexpr,
+                       PDL: tl.constexpr):
+        wait_prior(PDL)  # every program, the ones with no tokens too (see wait_prior)
         sp = tl.program_id(1)
         s, owns, tok, pm = _block(table_ptr, BT, SORTED)
         if owns:
@@ -190,7 +196,8 @@ if triton is not None:
     def _expand_kernel(h_ptr, b_ptr, table_ptr, y_ptr, N, N1, N2, stride_bs, stride_br, stride_yt,
                        R: tl.constexpr, BR: tl.constexpr, MB: tl.constexpr, SPLITS: tl.constexpr,
                        BN: tl.constexpr, TILES: tl.constexpr, MEMBERS: tl.constexpr, BT: tl.constexpr,
-                       SORTED: tl.constexpr, UPCAST: tl.constexpr):
+                       SORTED: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
+        wait_prior(PDL)
         nb = tl.program_id(1)
         s, owns, tok, pm = _block(table_ptr, BT, SORTED)
         if owns:
@@ -211,10 +218,11 @@ if triton is not None:
                       stride_bs, stride_br, stride_yt, K: tl.constexpr, R: tl.constexpr, BR: tl.constexpr,
                       MB: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, TILES: tl.constexpr,
                       MEMBERS: tl.constexpr, STRIDE: tl.constexpr, BT: tl.constexpr, SORTED: tl.constexpr,
-                      UPCAST: tl.constexpr):
+                      UPCAST: tl.constexpr, PDL: tl.constexpr):
         """Shrink then expand in one program: the block's codes over the whole of K (no partials in memory),
         then TILES column tiles from column tile nb * TILES on. K and TILES are constants: fixed trip counts
         (and no K mask when BK divides K)."""
+        wait_prior(PDL)
         nb = tl.program_id(1)
         s, owns, tok, pm = _block(table_ptr, BT, SORTED)
         if owns:
@@ -264,7 +272,7 @@ def lora_shrink(x, A, token_slots, rank: int, chunk: int | None = None, block_k:
         return h
     _shrink_kernel[(rows, splits)](x, A, table, h, K, x.stride(0), A.stride(0), A.stride(1), R=rank, BR=br, MB=mb,
                                    CHUNK=chunk, BK=block_k, SPLITS=splits, MEMBERS=members, STRIDE=stride,
-                                   BT=BLOCK_T, SORTED=is_sorted, UPCAST=_interpreted())
+                                   BT=BLOCK_T, SORTED=is_sorted, UPCAST=_interpreted(), **pdl(x.device))
     return h
 
 
@@ -290,7 +298,8 @@ def lora_expand(h, B, token_slots, y, rank: int, block_n: int = 256, splits=None
     _expand_kernel[(rows, triton.cdiv(n_tiles, tiles))](h, B, table, y, N, bounds[0], bounds[1], B.stride(0),
                                                         B.stride(1), y.stride(0), R=rank, BR=br, MB=mb,
                                                         SPLITS=parts, BN=block_n, TILES=tiles, MEMBERS=members,
-                                                        BT=BLOCK_T, SORTED=is_sorted, UPCAST=_interpreted())
+                                                        BT=BLOCK_T, SORTED=is_sorted, UPCAST=_interpreted(),
+                                                        **pdl(y.device))
     return y
 
 
@@ -366,7 +375,7 @@ def lora_fused(x, y, A, B, token_slots, rank: int, splits=None, stride: int = 0,
     _fused_kernel[(rows, triton.cdiv(n_tiles, tiles))](
         x, A, B, table, y, N, bounds[0], bounds[1], x.stride(0), A.stride(0), A.stride(1), B.stride(0), B.stride(1),
         y.stride(0), K=K, R=rank, BR=br, MB=mb, BK=block_k, BN=block_n, TILES=tiles, MEMBERS=members, STRIDE=stride,
-        BT=BLOCK_T, SORTED=is_sorted, UPCAST=_interpreted())
+        BT=BLOCK_T, SORTED=is_sorted, UPCAST=_interpreted(), **pdl(x.device))
     return y
 
 

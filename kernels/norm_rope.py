@@ -13,11 +13,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import pdl
+
 try:
     import triton
     import triton.language as tl
 except ImportError:
     triton = None
+else:
+    from . import wait_prior
 
 
 def rms_norm_reference(x, weight, eps):
@@ -58,24 +62,27 @@ def silu_mul_reference(gate_up, size):
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, stride_x, stride_o, eps, BN: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, stride_x, stride_o, eps, BN: tl.constexpr, PDL: tl.constexpr):
         row = tl.program_id(0)
         n = tl.arange(0, BN)
         m = n < N
+        w = tl.load(w_ptr + n, mask=m, other=0.0).to(tl.float32)
+        wait_prior(PDL)
         x = tl.load(x_ptr + row * stride_x + n, mask=m, other=0.0).to(tl.float32)
         r = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
         y = (x * r).to(x_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_ptr + n, mask=m, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * stride_o + n, (w * y).to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, sum_ptr, N, stride_x, stride_d, stride_o, stride_s, eps,
-                             BN: tl.constexpr):
+                             BN: tl.constexpr, PDL: tl.constexpr):
         # s = x + delta rounded to the sum's dtype (what torch's add gives: the fp32 sum of two bf16/fp16 values
         # rounds once), then _rms_norm_kernel's arithmetic on s
         row = tl.program_id(0).to(tl.int64)
         n = tl.arange(0, BN)
         m = n < N
+        w = tl.load(w_ptr + n, mask=m, other=0.0).to(tl.float32)
+        wait_prior(PDL)
         x = tl.load(x_ptr + row * stride_x + n, mask=m, other=0.0).to(tl.float32)
         d = tl.load(d_ptr + row * stride_d + n, mask=m, other=0.0).to(tl.float32)
         s = (x + d).to(sum_ptr.dtype.element_ty)
@@ -83,7 +90,6 @@ if triton is not None:
         s = s.to(tl.float32)
         r = tl.rsqrt(tl.sum(s * s, 0) / N + eps)
         y = (s * r).to(sum_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_ptr + n, mask=m, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * stride_o + n, (w * y).to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
@@ -133,7 +139,8 @@ if triton is not None:
         return row, col, m, g, u
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, size, stride_gu, stride_o, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gu_ptr, out_ptr, size, stride_gu, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_prior(PDL)
         row, col, m, g, u = _gate_up_block(gu_ptr, size, stride_gu, BLOCK)
         tl.store(out_ptr + row * stride_o + col, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=m)
 
@@ -161,7 +168,7 @@ def rms_norm(x, weight, eps):
     x2 = _rows(x)
     out = torch.empty(x2.shape, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
     _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, shape[-1], x2.stride(0), out.stride(0), eps,
-                                     BN=triton.next_power_of_2(shape[-1]))
+                                     BN=triton.next_power_of_2(shape[-1]), **pdl(x.device))
     return out.view(shape)
 
 
@@ -178,7 +185,8 @@ def add_rms_norm(x, delta, weight, eps):
     summed = torch.empty(x2.shape, device=x.device, dtype=dtype)
     out = torch.empty(x2.shape, device=x.device, dtype=torch.promote_types(weight.dtype, dtype))
     _add_rms_norm_kernel[(x2.shape[0],)](x2, d2, weight, out, summed, shape[-1], x2.stride(0), d2.stride(0),
-                                         out.stride(0), summed.stride(0), eps, BN=triton.next_power_of_2(shape[-1]))
+                                         out.stride(0), summed.stride(0), eps, BN=triton.next_power_of_2(shape[-1]),
+                                         **pdl(x.device))
     return out.view(shape), summed.view(shape)
 
 
@@ -205,7 +213,7 @@ def silu_mul(gate_up, size, block=1024):
     gu = _rows(gate_up)
     out = torch.empty(gu.shape[0], size, device=gate_up.device, dtype=gate_up.dtype)
     _silu_mul_kernel[(gu.shape[0], triton.cdiv(size, block))](gu, out, size, gu.stride(0), out.stride(0),
-                                                              BLOCK=block)
+                                                              BLOCK=block, **pdl(gu.device))
     return out.view(*shape[:-1], size)
 
 

@@ -15,11 +15,15 @@ import os
 
 import torch
 
+from . import pdl
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # the CPU install runs without Triton: the engine then keeps its plain-torch path
     triton = None
+else:
+    from . import wait_prior
 
 LOG2E = 1.4426950408889634
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -64,13 +68,15 @@ if triton is not None:
 
     @triton.jit
     def _qkv_rotary_store_kernel(y_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr, stride_y, stride_c,
-                                 stride_q, NH: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr):
+                                 stride_q, NH: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr,
+                                 PDL: tl.constexpr):
         # one program per (token, head of y): heads [0, NH) are q's, rotated into q; [NH, NH + NKV) k's, rotated
         # into the key cache; the rest v's, copied into the value cache. The rotation is the rotary kernel's.
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         d = tl.arange(0, HALF)
         src = y_ptr + t * stride_y + h * (2 * HALF) + d
+        wait_prior(PDL)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         cache = tl.maximum(slot, 0) * (NKV * 2 * HALF) + d  # a cache row of NKV heads, as store_kv's
         if h < NH + NKV:
@@ -101,7 +107,8 @@ if triton is not None:
 
     @triton.jit
     def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_k, stride_v, W: tl.constexpr,
-                         BW: tl.constexpr):
+                         BW: tl.constexpr, PDL: tl.constexpr):
+        wait_prior(PDL)
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         w = tl.arange(0, BW)
@@ -114,7 +121,9 @@ if triton is not None:
     def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr,
                              stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, qk_scale,
                              G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                             BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, DOT_F32: tl.constexpr):
+                             BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
+                             PDL: tl.constexpr):
+        wait_prior(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -162,7 +171,8 @@ if triton is not None:
 
     @triton.jit
     def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ot, stride_oh, D: tl.constexpr,
-                      SPLITS: tl.constexpr, SP: tl.constexpr):
+                      SPLITS: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
+        wait_prior(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         H = tl.num_programs(1)
@@ -195,7 +205,7 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
     W = k.shape[1] * k.shape[2]
     assert k.stride(2) == 1 and k.stride(1) == k.shape[2] and v.stride(2) == 1 and v.stride(1) == v.shape[2]
     _store_kv_kernel[(T,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), W,
-                           triton.next_power_of_2(W))
+                           triton.next_power_of_2(W), **pdl(k.device))
 
 
 def qkv_rotary_store(y, nh, nkv, d, cos, sin, k_cache, v_cache, slot_mapping):
@@ -213,7 +223,8 @@ def qkv_rotary_store(y, nh, nkv, d, cos, sin, k_cache, v_cache, slot_mapping):
     q = torch.empty(T, nh, d, device=y.device, dtype=y.dtype)
     if T:
         _qkv_rotary_store_kernel[(T, nh + 2 * nkv)](y, cos, sin, q, k_cache, v_cache, slot_mapping, y.stride(0),
-                                                   cos.stride(0), q.stride(0), NH=nh, NKV=nkv, HALF=half)
+                                                   cos.stride(0), q.stride(0), NH=nh, NKV=nkv, HALF=half,
+                                                   **pdl(y.device))
     return q
 
 
@@ -233,9 +244,9 @@ def paged_decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, splits: int
         q, k_cache, v_cache, block_tables, ctx_lens, part_m, part_l, part_acc,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         scale * LOG2E, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BS=bs, BLOCK_N=block_n, SPLITS=splits,
-        DOT_F32=_INTERPRETING or k_cache.dtype == torch.float32, num_warps=4)
+        DOT_F32=_INTERPRETING or k_cache.dtype == torch.float32, num_warps=4, **pdl(q.device))
     _merge_kernel[(B, H)](part_m, part_l, part_acc, out, out.stride(0), out.stride(1), D=D, SPLITS=splits,
-                          SP=triton.next_power_of_2(splits))
+                          SP=triton.next_power_of_2(splits), **pdl(q.device))
     return out
 
 

@@ -260,7 +260,7 @@ def test_lora_apply_picks_the_fused_kernel_unless_told_not_to(monkeypatch):
             monkeypatch.delenv("DARK_LORA_FUSED", raising=False)
         else:
             monkeypatch.setenv("DARK_LORA_FUSED", env)
-        spec = importlib.util.spec_from_file_location("_lora_env_check", lk.__file__)
+        spec = importlib.util.spec_from_file_location(f"{lk.__package__}._lora_env_check", lk.__file__)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module.FUSED
