@@ -78,9 +78,9 @@ class StepClock:
         self.seqs: list[int] = []  # sequences in each step, beside self.steps
         runner.run = self.run
 
-    def run(self, batch):
+    def run(self, batch, **kw):
         t = time.perf_counter()
-        out = self.real_run(batch)  # ends in a host sync (sampled tokens to a list)
+        out = self.real_run(batch, **kw)  # ends in a host sync (sampled tokens to a list)
         self.steps.append((t, time.perf_counter(), sum(n for _, n in batch)))
         self.seqs.append(len(batch))
         return out

@@ -30,40 +30,56 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
                      M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     FIRST_K: tl.constexpr, PDL: tl.constexpr):
+                     FIRST_K: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr):
+        # GLU: W is [2N, K], gate rows then up rows, and out = silu(x @ gate^T) * (x @ up^T), both products
+        # rounded to out's dtype first (what the GEMV then silu_mul give)
         pid = tl.program_id(0)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < N
         rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+        up = rows + N * stride_wn
         # the first FIRST_K columns of this program's rows are read before waiting for the kernel before (the
         # weights never depend on it): under programmatic dependent launch that read overlaps its tail
         k1 = tl.arange(0, FIRST_K)
-        k1m = k1 < K
-        w1 = tl.load(rows + k1[None, :], mask=nm[:, None] & k1m[None, :], other=0.0).to(tl.float32)
+        m1 = nm[:, None] & (k1 < K)[None, :]
+        w1 = tl.load(rows + k1[None, :], mask=m1, other=0.0).to(tl.float32)
+        if GLU:
+            u1 = tl.load(up + k1[None, :], mask=m1, other=0.0).to(tl.float32)
         wait_prior(PDL)
         kk = tl.arange(0, BLOCK_K)
         for m in tl.static_range(M):
-            x1 = tl.load(x_ptr + m * stride_xm + k1, mask=k1m, other=0.0).to(tl.float32)
+            x1 = tl.load(x_ptr + m * stride_xm + k1, mask=k1 < K, other=0.0).to(tl.float32)
             y = tl.sum(w1 * x1[None, :], 1)
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            if GLU:
+                yu = tl.sum(u1 * x1[None, :], 1)
+                acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
             k0 = FIRST_K
             while k0 < K:  # a while loop: the interpreter cannot take tensor bounds in range()
                 k = k0 + kk
-                km = k < K
-                w = tl.load(rows + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-                xv = tl.load(x_ptr + m * stride_xm + k, mask=km, other=0.0)
-                acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+                km = nm[:, None] & (k < K)[None, :]
+                xv = tl.load(x_ptr + m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+                acc += tl.load(rows + k[None, :], mask=km, other=0.0).to(tl.float32) * xv
+                if GLU:
+                    acc_u += tl.load(up + k[None, :], mask=km, other=0.0).to(tl.float32) * xv
                 k0 += BLOCK_K
             y += tl.sum(acc, 1)
             if HAS_BIAS:
                 y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
+            if GLU:
+                dt = out_ptr.dtype.element_ty
+                g = y.to(dt).to(tl.float32)
+                y = g * tl.sigmoid(g) * (yu + tl.sum(acc_u, 1)).to(dt).to(tl.float32)
             tl.store(out_ptr + m * stride_om + n, y.to(out_ptr.dtype.element_ty), mask=nm)
 
 
-def config(n: int, k: int) -> tuple[int, int, int]:
+def config(n: int, k: int, glu: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for an [n, k] weight, from a sweep on an H200 at the Qwen2.5-7B shapes
     (bench/RESULTS.md, 2026-12-01): long rows (down_proj, k = 18944) take 16 rows a program in 1024-wide steps,
-    narrow matrices (q/k/v, o_proj) 4 rows, the rest (gate/up, the LM head) 8."""
+    narrow matrices (q/k/v, o_proj) 4 rows, the rest (gate/up, the LM head) 8. glu: n outputs from 2n rows,
+    gate/up's 8 rows a program as 4 of each."""
+    if glu:
+        return 4, 512, 4
     if k > 8192:
         return 16, 1024, 8
     if n <= 8192:
@@ -72,21 +88,24 @@ def config(n: int, k: int) -> tuple[int, int, int]:
 
 
 def gemv(x, weight, bias=None, block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-         num_stages: int = 3, first_k: int | None = None):
+         num_stages: int = 3, first_k: int | None = None, glu: bool = False):
     """x [M, K] (M small: the kernel reads W once per row of x, so it is for M = 1), weight [N, K] with unit stride
     along K, bias [N] or None -> [M, N] in x's dtype. Block sizes default to config(N, K); first_k (a power of
-    two, default block_k) columns of each row are read before the wait for the kernel before."""
+    two, default block_k) columns of each row are read before the wait for the kernel before.
+
+    glu: weight is [2 * N, K], a gate projection's rows then an up projection's (no bias), and the result is
+    silu(x @ gate^T) * (x @ up^T) [M, N]: the MLP's gate/up GEMV and silu_mul in one launch, equal to the two."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     M, K = x.shape
-    N = weight.shape[0]
-    assert weight.shape[1] == K and weight.stride(1) == 1
-    bn, bk, nw = config(N, K)
+    N = weight.shape[0] // 2 if glu else weight.shape[0]
+    assert weight.shape[1] == K and weight.stride(1) == 1 and not (glu and (bias is not None or weight.shape[0] % 2))
+    bn, bk, nw = config(N, K, glu)
     block_n, block_k, num_warps = block_n or bn, block_k or bk, num_warps or nw
     first_k = first_k or block_k
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     _gemv_kernel[(triton.cdiv(N, block_n),)](x, weight, bias if bias is not None else weight, out, N, K, x.stride(0),
                                              weight.stride(0), out.stride(0), M=M, HAS_BIAS=bias is not None,
-                                             BLOCK_N=block_n, BLOCK_K=block_k, FIRST_K=first_k, num_warps=num_warps,
-                                             num_stages=num_stages, **pdl(x.device))
+                                             BLOCK_N=block_n, BLOCK_K=block_k, FIRST_K=first_k, GLU=glu,
+                                             num_warps=num_warps, num_stages=num_stages, **pdl(x.device))
     return out

@@ -757,3 +757,24 @@ def test_gemv_matches_reference(dtype, tol, n, k, bias):
     out = gemv(x, w, b)
     assert out.shape == (1, n) and out.dtype == dtype
     assert rel_err(out.float().cpu(), gemv_reference(x.float(), w.float(), None if b is None else b.float()).cpu()) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,k", [(37, 100), (5, 9000)])
+def test_gemv_glu_is_the_gemv_then_silu_mul(dtype, n, k):
+    """glu=True: one launch gives silu(x @ gate^T) * (x @ up^T) from the stacked [gate; up] weight, as the GEMV then
+    silu_mul give it (both products rounded to x's dtype before the activation), and near the fp32 reference."""
+    from dark.kernels.gemv import gemv
+    from dark.kernels.norm_rope import silu_mul, silu_mul_reference
+
+    g = torch.Generator().manual_seed(n * k)
+    x = torch.randn(1, k, generator=g).to(DEV, dtype)
+    w = (torch.randn(2 * n, k, generator=g) / k ** 0.5).to(DEV, dtype)
+    out = gemv(x, w, glu=True)
+    assert out.shape == (1, n) and out.dtype == dtype
+    two = silu_mul(gemv(x, w, block_k=512), n)
+    torch.testing.assert_close(out, two, rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-6)
+    ref = silu_mul_reference(x.float() @ w.float().T, n)
+    assert rel_err(out.float().cpu(), ref.cpu()) < (1e-5 if dtype == torch.float32 else 2e-2)
+    with pytest.raises(AssertionError):
+        gemv(x, w[:-1], glu=True)  # an odd number of rows is not [gate; up]

@@ -532,3 +532,17 @@ def test_dependent_launch_chain_in_a_cuda_graph(monkeypatch):
         static.copy_(x)
         graph.replay()
         torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_gemv_glu_qwen_shape():
+    """Qwen2.5-7B's gate/up at batch 1 through the GEMV with SiLU * up in its epilogue, against the reference and
+    against the GEMV then silu_mul."""
+    from dark.kernels.gemv import gemv
+    from dark.kernels.norm_rope import silu_mul, silu_mul_reference
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(1, 3584, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(2 * 18944, 3584, device="cuda", generator=g) * 0.02).bfloat16()
+    out = gemv(x, w, glu=True).float()
+    assert rel_err(out, silu_mul_reference(x.float() @ w.float().T, 18944)) < BF16_TOL
+    assert rel_err(out, silu_mul(gemv(x, w), 18944).float()) < 1e-2

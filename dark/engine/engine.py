@@ -140,7 +140,9 @@ class Engine:
                 self._wake.wait(timeout=0.005)
             return
         try:
-            results = self.runner.run(batch)
+            # nothing waiting to join: the next step is likely these sequences one token on (the runner may
+            # launch it before this one's tokens are back)
+            results = self.runner.run(batch, ahead=not self._inbox and not self.scheduler.waiting)
         except Exception as e:
             log.exception("engine step failed; failing its %d requests", len(batch))
             for seq, _ in batch:

@@ -16,7 +16,7 @@ import torch
 from ..lora.slots import AdapterSlots, SlotLoRA
 from ..models.decoder import CausalLM, kernel_module
 from .attention import KVCache, PagedAttention, PagedDecodeAttention
-from .sampler import sample
+from .sampler import sample, sample_on_device
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,8 @@ class ModelRunner:
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self.fast_steps = 0  # decode steps that took the fast path
+        self.lookahead = os.environ.get("DARK_DECODE_AHEAD", "1") != "0"  # launch the next decode step early
+        self.ahead_launched = self.ahead_used = 0  # decode steps launched early, and those the engine then took
         self.set_fast(kernel_module().available(self.device))
 
     def set_fast(self, on: bool, graphs: bool | None = None) -> None:
@@ -52,15 +54,20 @@ class ModelRunner:
         released by the allocator, and capturing into its old handle again fails."""
         self._graphs.clear()
         self._pool = None
+        self._ahead = None
 
     @torch.inference_mode()
-    def run(self, batch: list[tuple[Sequence, int]]) -> dict[int, tuple[int, float | None]]:
+    def run(self, batch: list[tuple[Sequence, int]], ahead: bool = False) -> dict[int, tuple[int, float | None]]:
         """Compute the scheduled tokens; sequences whose chunk reaches their end get a sampled token.
+
+        ahead: the next step is likely the same sequences decoding on (nothing waits to join them), so a decode
+        step may launch it before returning (see _run_decode).
 
         Returns {sequence id: (token, its log-probability or None)}.
         """
         if self.fast_decode and all(n == 1 and seq.num_computed + 1 == len(seq) for seq, n in batch):
-            return self._run_decode(batch)
+            return self._run_decode(batch, ahead)
+        self._ahead = None
         bs = self.cache.block_size
         ids, positions, slots_of_tokens, slot_mapping = [], [], [], []
         q_lens, ctx_lens, tables, last_rows, sampled_seqs = [], [], [], [], []
@@ -89,7 +96,10 @@ class ModelRunner:
 
     # --- decode-only steps on CUDA ---
     def _ensure_buffers(self, rows: int, width: int) -> None:
-        """Pinned host and device buffers for `rows` sequences of up to `width` blocks; graphs die with them."""
+        """Pinned host and device buffers for `rows` sequences of up to `width` blocks; graphs die with them.
+
+        The host side comes twice (a step launched ahead fills one while the other's copy may still be queued),
+        each with the block-table rows last written into it."""
         if rows <= self._buffers_for and width <= self._bt_dev.shape[1]:
             return
         rows = max(rows, self._buffers_for, GRAPH_BUCKETS[-1])
@@ -97,12 +107,12 @@ class ModelRunner:
         longest = min(self.cache.num_blocks, 4096)
         width = max(width, 64, longest, self._bt_dev.shape[1] * 2 if self._buffers_for else 0)
         self._drop_graphs()
+        self._ahead = None
         pin = self.device.type == "cuda"
-        self._meta_host = torch.zeros(5, rows, dtype=torch.int64, pin_memory=pin)
+        self._host = [_HostSide(rows, width, pin) for _ in range(2)]
+        self._turn = 0
         self._meta_dev = torch.zeros(5, rows, dtype=torch.int64, device=self.device)
-        self._bt_host = torch.zeros(rows, width, dtype=torch.int32, pin_memory=pin)
         self._bt_dev = torch.zeros(rows, width, dtype=torch.int32, device=self.device)
-        self._bt_rows: list = [None] * rows  # per row: (block table list, its length) last written there
         # in the model's dtype, as the LM head makes them; the sampled rows widen to fp32 when they are read
         self._logits = torch.empty(rows, self.model.config.vocab_size, dtype=self.model.lm_head.weight.dtype,
                                    device=self.device)
@@ -120,23 +130,55 @@ class ModelRunner:
         out.copy_(self.model.lm_head(hidden, lora))
         return out
 
-    def _run_decode(self, batch: list[tuple[Sequence, int]]) -> dict[int, tuple[int, float | None]]:
+    def _run_decode(self, batch: list[tuple[Sequence, int]], ahead: bool) -> dict[int, tuple[int, float | None]]:
+        """One decode step. With `ahead` (on CUDA graphs), the step after it is launched before this one's tokens
+        are read back, on the device's copy of them, so the device never waits for the host's work between two
+        steps; the next call uses it when its batch is the one foreseen (the same sequences, each one token on,
+        the same adapter weights), and forgets it otherwise (what it wrote in the cache is written again)."""
         self.fast_steps += 1
+        seqs = [seq for seq, _ in batch]
+        step, self._ahead = self._ahead, None
+        if step is not None and step.foresaw(seqs, self.slots.version):
+            self.ahead_used += 1
+        else:
+            step = self._launch(seqs, 0, None)
+        if ahead and self.lookahead and self.use_graphs and self._can_go_on(seqs):
+            self._ahead = self._launch(seqs, 1, step)
+            self.ahead_launched += 1
+        return step.collect()
+
+    def _can_go_on(self, seqs: list[Sequence]) -> bool:
+        """Whether each sequence's next step can be launched before its token is known: the cache block of the
+        next position is already allocated, the token it samples would not end the sequence by length anyway,
+        and no sampling is seeded (a step thrown away would use up a seeded generator's draw)."""
         bs = self.cache.block_size
-        b = len(batch)
+        for seq in seqs:
+            nxt = seq.num_computed + 1
+            if nxt // bs >= len(seq.block_table) or nxt + 1 >= seq.max_len or seq.params.seed is not None:
+                return False
+        return True
+
+    def _launch(self, seqs: list[Sequence], on: int, prev: "_Step | None") -> "_Step":
+        """Queue one decode step of `seqs` at their positions `num_computed + on` (on = 1: the step after
+        `prev`, whose sampled tokens, still on the device, are its inputs) and the sampling after it."""
+        bs = self.cache.block_size
+        b = len(seqs)
         rows = next((g for g in GRAPH_BUCKETS if g >= b), b) if self.use_graphs else b
-        self._ensure_buffers(rows, max(len(seq.block_table) for seq, _ in batch))
-        meta, bt = self._meta_host.numpy(), self._bt_host.numpy()
+        self._ensure_buffers(rows, max(len(seq.block_table) for seq in seqs))
+        host = self._host[self._turn]
+        self._turn ^= 1
+        host.ready()  # its last copy to the device has run
+        meta, bt = host.meta.numpy(), host.bt.numpy()
         meta[:, b:rows] = 0
         meta[_SLOT, b:rows] = meta[_LORA, b:rows] = -1  # padded rows: nothing stored, no adapter, empty context
-        seqs = [seq for seq, _ in batch]
-        pos = [seq.num_computed for seq in seqs]
-        meta[_IDS, :b] = [seq.token_ids[p] for seq, p in zip(seqs, pos)]
+        pos = [seq.num_computed + on for seq in seqs]
+        if prev is None:
+            meta[_IDS, :b] = [seq.token_ids[p] for seq, p in zip(seqs, pos)]
         meta[_POS, :b] = pos
         meta[_SLOT, :b] = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, pos)]
         meta[_CTX, :b] = [p + 1 for p in pos]
         meta[_LORA, :b] = [seq.slot for seq in seqs]
-        written = self._bt_rows
+        written = host.bt_rows
         for i, seq in enumerate(seqs):
             # a table only grows in place, or is replaced by a new list when its blocks are freed: the same
             # list at the same length is the same row, already in the buffer (most rows of most steps)
@@ -145,15 +187,18 @@ class ModelRunner:
                 bt[i, :len(table)] = table
                 written[i] = (table, len(table))
         width = max(len(seq.block_table) for seq in seqs)
-        self._meta_dev[:, :rows].copy_(self._meta_host[:, :rows], non_blocking=True)
-        self._bt_dev[:rows, :width].copy_(self._bt_host[:rows, :width], non_blocking=True)
+        self._meta_dev[:, :rows].copy_(host.meta[:, :rows], non_blocking=True)
+        self._bt_dev[:rows, :width].copy_(host.bt[:rows, :width], non_blocking=True)
+        host.copied()
+        if prev is not None:
+            self._meta_dev[_IDS, :b].copy_(prev.tokens)
         with_lora = any(seq.slot >= 0 for seq in seqs)
         if rows in GRAPH_BUCKETS and self.use_graphs:
             logits = self._replay(rows, with_lora)
         else:
             logits = self._forward_decode(rows, with_lora)
-        tokens, logprobs = sample(logits[:b].float(), seqs)
-        return {s.id: (t, logprobs[i] if logprobs else None) for i, (s, t) in enumerate(zip(seqs, tokens))}
+        tokens, logprobs = sample_on_device(logits[:b].float(), seqs)
+        return _Step(seqs, pos, self.slots.version, tokens, logprobs, host)
 
     def _replay(self, rows: int, with_lora: bool) -> torch.Tensor:
         key = (rows, with_lora) + ((self.slots.version, self.slots.kernel_rank()) if with_lora else ())
@@ -173,3 +218,60 @@ class ModelRunner:
         graph, out = entry
         graph.replay()
         return out
+
+
+class _HostSide:
+    """One set of pinned host buffers for the decode inputs, and an event after their last copy to the device."""
+
+    def __init__(self, rows: int, width: int, pin: bool):
+        self.meta = torch.zeros(5, rows, dtype=torch.int64, pin_memory=pin)
+        self.bt = torch.zeros(rows, width, dtype=torch.int32, pin_memory=pin)
+        self.bt_rows: list = [None] * rows  # per row: (block table list, its length) last written there
+        self.tokens = torch.zeros(rows, dtype=torch.int64, pin_memory=pin)  # a step's sampled tokens, read back
+        self.logprobs = torch.zeros(rows, dtype=torch.float32, pin_memory=pin)
+        self.event = torch.cuda.Event() if pin else None
+
+    def copied(self) -> None:
+        if self.event is not None:
+            self.event.record()
+
+    def ready(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+class _Step:
+    """A launched decode step: what it computed (sequences, their positions, block tables and adapter slots, the
+    adapters' version) and its sampled tokens, on their way to the pinned buffers of the host side it used."""
+
+    def __init__(self, seqs, pos, version, tokens, logprobs, host: _HostSide):
+        self.seqs, self.pos, self.version = seqs, pos, version
+        self.tables = [seq.block_table for seq in seqs]
+        self.slots = [seq.slot for seq in seqs]
+        self.tokens = tokens  # on the device: the inputs of a step launched after this one
+        b = len(seqs)
+        pin = host.event is not None
+        self._tokens = host.tokens[:b]
+        self._tokens.copy_(tokens, non_blocking=pin)
+        self._logprobs = None
+        if logprobs is not None:
+            self._logprobs = host.logprobs[:b]
+            self._logprobs.copy_(logprobs, non_blocking=pin)
+        self._event = torch.cuda.Event() if pin else None
+        if self._event is not None:
+            self._event.record()
+
+    def foresaw(self, seqs: list[Sequence], version: int) -> bool:
+        """Whether this step is the one the engine now asks for: the same sequences in the same order, each
+        now at the position it computed (the token before it appended), with the same block table and adapter
+        slot, and the same adapter weights."""
+        return (version == self.version and len(seqs) == len(self.seqs)
+                and all(a is b and a.num_computed == p and len(a) == p + 1 and a.block_table is t and a.slot == s
+                        for a, b, p, t, s in zip(seqs, self.seqs, self.pos, self.tables, self.slots)))
+
+    def collect(self) -> dict[int, tuple[int, float | None]]:
+        if self._event is not None:
+            self._event.synchronize()
+        tokens = self._tokens.tolist()
+        logprobs = self._logprobs.tolist() if self._logprobs is not None else None
+        return {s.id: (t, logprobs[i] if logprobs else None) for i, (s, t) in enumerate(zip(self.seqs, tokens))}

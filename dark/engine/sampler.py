@@ -8,11 +8,17 @@ from .sequence import Sequence
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float] | None]:
     """logits [batch, vocab] (fp32) -> one token id per sequence, and their log-probabilities if any asked."""
+    tokens, chosen = sample_on_device(logits, seqs)
+    return tokens.tolist(), chosen.tolist() if chosen is not None else None
+
+
+def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """sample() without waiting for the device: token ids [batch] (int64) and their log-probabilities [batch]
+    (fp32, None unless a sequence asked) as tensors on logits' device, queued behind the step that made logits."""
     tokens = _choose(logits, seqs)
     if not any(s.params.logprobs for s in seqs):
-        return tokens.tolist(), None
-    chosen = logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
-    return tokens.tolist(), chosen.tolist()
+        return tokens, None
+    return tokens, logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
 
 
 def _choose(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -28,8 +34,8 @@ def _choose(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         k = torch.tensor([t if t > 0 else sub.shape[1] for t in top_k], device=logits.device)
         kth = sub.sort(dim=-1, descending=True).values.gather(1, (k - 1).clamp(max=sub.shape[1] - 1)[:, None])
         sub = sub.masked_fill(sub < kth, float("-inf"))
-    top_p = torch.tensor([seqs[i].params.top_p for i in rows], device=logits.device)
-    if bool((top_p < 1).any()):
+    if any(seqs[i].params.top_p < 1 for i in rows):  # decided on the host: no wait for the device
+        top_p = torch.tensor([seqs[i].params.top_p for i in rows], device=logits.device)
         sorted_logits, order = sub.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
         # drop a token when the tokens before it already cover top_p; the first one always stays

@@ -38,6 +38,10 @@ class Scheduler:
             if seq.status is Status.RUNNING:
                 batch.append((seq, n))
                 budget -= n
+                if n == 1 and len(seq) < seq.max_len:
+                    # the next position's block too where one is free, so that the runner can launch the step
+                    # after this one before its token is back (a block a step early; none taken from others)
+                    self.blocks.ensure(seq, len(seq) + 1)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.adapter is not None:

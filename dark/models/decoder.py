@@ -146,9 +146,13 @@ def _grouped(lora) -> bool:
 def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fused: bool) -> torch.Tensor:
     """F.linear; for one token in a pass without autograd with the fused kernels on (a batch-1 decode step), the
     Triton GEMV (dark.kernels.gemv), which reads the weights faster than cuBLAS at every such shape measured."""
-    if fused and x.dim() == 2 and x.shape[0] == 1 and not torch.is_grad_enabled():
+    if _gemv_applies(x, fused):
         return kernel_module("gemv").gemv(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _gemv_applies(x: torch.Tensor, fused: bool) -> bool:
+    return fused and x.dim() == 2 and x.shape[0] == 1 and not torch.is_grad_enabled()
 
 
 class Linear(nn.Module):
@@ -287,6 +291,9 @@ class MLP(nn.Module):
 
     def forward(self, x, lora: LoRA | None):
         if self.gate_up is not None and _grouped(lora):
+            if lora is None and self.gate_up[1] is None and _gemv_applies(x, self.fused):
+                # one token, no adapter: the GEMV gives silu(gate) * up itself
+                return self.down_proj(kernel_module("gemv").gemv(x, self.gate_up[0], glu=True), lora)
             y = _project(x, *self.gate_up, self.fused)
             if lora is not None:
                 y = lora.apply_group(self.layer, "gate_up", x, y)
