@@ -64,7 +64,7 @@ def main() -> None:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         lin = graph_us(lambda i: F.linear(x, ws[i % copies]))
         cur = config(n, k, glu)
-        cands = [cur + (None,)]
+        cands = [cur]
         for bn, bk, nw, fk in itertools.product((2, 4, 8, 16), (256, 512, 1024), (4, 8), (1, 2, 4)):
             if (bn == 16) != (k > 8192) and bn != 8 or bk * fk > 4096:
                 continue

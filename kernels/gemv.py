@@ -7,6 +7,8 @@ gemv_reference is the plain-torch definition.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -73,25 +75,27 @@ if triton is not None:
             tl.store(out_ptr + m * stride_om + n, y.to(out_ptr.dtype.element_ty), mask=nm)
 
 
-def config(n: int, k: int, glu: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for an [n, k] weight, from a sweep on an H200 at the Qwen2.5-7B shapes
-    (bench/RESULTS.md, 2026-12-01): long rows (down_proj, k = 18944) take 16 rows a program in 1024-wide steps,
-    narrow matrices (q/k/v, o_proj) 4 rows, the rest (gate/up, the LM head) 8. glu: n outputs from 2n rows,
-    gate/up's 8 rows a program as 4 of each."""
+def config(n: int, k: int, glu: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, FIRST_K) for an [n, k] weight (glu: n outputs from 2n rows), the best of a
+    sweep on an H200 at the Qwen2.5-7B shapes under programmatic dependent launch (bench/sweep_gemv.py,
+    bench/RESULTS.md 2026-12-01): long rows (down_proj) 16 rows a program, 2048 columns before the wait;
+    gate/up with SiLU 2 rows of each and the LM head 4, a whole 3584-wide row before the wait; q/k/v 8 rows, o 4."""
     if glu:
-        return 4, 512, 4
+        return 2, 1024, 4, 4096
     if k > 8192:
-        return 16, 1024, 8
-    if n <= 8192:
-        return 4, 512, 8 if n <= k else 4
-    return 8, 512, 4
+        return 16, 1024, 4, 2048
+    if n > 8192:
+        return 4, 1024, 4, 4096
+    if n > k:
+        return 8, 512, 8, 1024
+    return 4, 1024, 4, 1024
 
 
 def gemv(x, weight, bias=None, block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
          num_stages: int = 3, first_k: int | None = None, glu: bool = False):
     """x [M, K] (M small: the kernel reads W once per row of x, so it is for M = 1), weight [N, K] with unit stride
     along K, bias [N] or None -> [M, N] in x's dtype. Block sizes default to config(N, K); first_k (a power of
-    two, default block_k) columns of each row are read before the wait for the kernel before.
+    two) columns of each row are read before the wait for the kernel before.
 
     glu: weight is [2 * N, K], a gate projection's rows then an up projection's (no bias), and the result is
     silu(x @ gate^T) * (x @ up^T) [M, N]: the MLP's gate/up GEMV and silu_mul in one launch, equal to the two."""
@@ -100,9 +104,11 @@ def gemv(x, weight, bias=None, block_n: int | None = None, block_k: int | None =
     M, K = x.shape
     N = weight.shape[0] // 2 if glu else weight.shape[0]
     assert weight.shape[1] == K and weight.stride(1) == 1 and not (glu and (bias is not None or weight.shape[0] % 2))
-    bn, bk, nw = config(N, K, glu)
+    bn, bk, nw, fk = config(N, K, glu)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        bn = 1024  # the CPU interpreter runs program by program: few large ones (an LM head is 10^4 programs)
     block_n, block_k, num_warps = block_n or bn, block_k or bk, num_warps or nw
-    first_k = first_k or block_k
+    first_k = min(first_k or (fk if block_k == bk else block_k), triton.next_power_of_2(K))  # no wider than a row
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     _gemv_kernel[(triton.cdiv(N, block_n),)](x, weight, bias if bias is not None else weight, out, N, K, x.stride(0),
                                              weight.stride(0), out.stride(0), M=M, HAS_BIAS=bias is not None,

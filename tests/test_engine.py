@@ -82,6 +82,40 @@ def test_greedy_ragged_batch_matches_hf(family_pair):
         torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(logprobs), atol=1e-4, rtol=1e-4)
 
 
+def check_decode_ahead(llm: OnlineLLM, mode: str, steps: int = 21, prompts: list[str] = PROMPTS) -> None:
+    """Decode steps launched ahead (runner.lookahead = mode) against steps launched one after the other: the same
+    tokens and log-probabilities on a ragged batch (sequences joining, crossing cache blocks, ending) and on one
+    sequence alone; and most steps taken ahead (not those after a join, or at a sequence's last tokens)."""
+    runner = llm.engine.runner
+    runner.lookahead = mode
+    used, launched = runner.ahead_used, runner.ahead_launched
+    ahead = run_ragged(llm, prompts, steps=steps, join_after=3)
+    alone = llm.generate(PROMPTS[0], max_tokens=steps + 9, logprobs=True)
+    used, launched = runner.ahead_used - used, runner.ahead_launched - launched
+    runner.lookahead = "never"
+    try:
+        one_by_one = run_ragged(llm, prompts, steps=steps, join_after=3)
+        assert llm.generate(PROMPTS[0], max_tokens=steps + 9, logprobs=True) == alone
+    finally:
+        runner.lookahead = "graphs"
+    for a, b in zip(ahead, one_by_one):
+        assert a.output_ids == b.output_ids and len(a.output_ids) == steps
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-5)
+    # the ragged batch decodes ~steps + 3 * 3 steps, the lone sequence steps + 8; a few are not launched ahead
+    assert used > steps + (steps + 9) // 2, (used, launched)
+    assert launched - used <= 2 * len(prompts) + 2, (used, launched)  # thrown away: after a join or at the end
+
+
+def test_decode_steps_launched_ahead_on_the_fast_path(tiny_models):
+    """The fast decode path (kernels, TRITON_INTERPRET=1 on the CPU) with each step launched before the previous
+    one's tokens are read back (on the CPU only when told: "always"; the default is CUDA graphs only)."""
+    pytest.importorskip("triton")
+    with OnlineLLM(str(tiny_models["qwen2"]), block_size=8, max_num_seqs=4, enable_prefix_caching=False) as llm:
+        llm.engine.runner.set_fast(True)
+        assert llm.engine.runner.lookahead == "graphs" and not llm.engine.runner.use_graphs
+        check_decode_ahead(llm, "always", steps=13, prompts=PROMPTS[:3])
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_fast_decode_path_matches_plain_path(tiny_models, family, tmp_path, monkeypatch):
     """Decode steps through the kernels (no CUDA graphs on the CPU; TRITON_INTERPRET=1) give the plain path's

@@ -34,7 +34,10 @@ class ModelRunner:
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self.fast_steps = 0  # decode steps that took the fast path
-        self.lookahead = os.environ.get("DARK_DECODE_AHEAD", "1") != "0"  # launch the next decode step early
+        # launch the next decode step before this one's tokens are back: "graphs" where decode steps are CUDA
+        # graphs (elsewhere the step launched ahead would run before the tokens are returned: a step more of
+        # latency, for nothing), "always", or "never" (DARK_DECODE_AHEAD=0)
+        self.lookahead = "never" if os.environ.get("DARK_DECODE_AHEAD", "1") == "0" else "graphs"
         self.ahead_launched = self.ahead_used = 0  # decode steps launched early, and those the engine then took
         self.set_fast(kernel_module().available(self.device))
 
@@ -142,7 +145,8 @@ class ModelRunner:
             self.ahead_used += 1
         else:
             step = self._launch(seqs, 0, None)
-        if ahead and self.lookahead and self.use_graphs and self._can_go_on(seqs):
+        go = self.lookahead == "always" or (self.lookahead == "graphs" and self.use_graphs)
+        if ahead and go and self._can_go_on(seqs):
             self._ahead = self._launch(seqs, 1, step)
             self.ahead_launched += 1
         return step.collect()
