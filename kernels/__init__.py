@@ -1,7 +1,9 @@
 """Triton kernels for the GPU path, each with a plain-torch reference beside it (imported as dark.kernels)."""
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 
 import torch
 
@@ -23,14 +25,35 @@ def available(device: torch.device) -> bool:
 _PDL: dict = {}
 
 
+_scope = threading.local()
+
+
+@contextlib.contextmanager
+def dependent_launch(on: bool = True):
+    """Within this block (on this thread), the forward kernels launch with programmatic dependent launch where
+    the device has it (see pdl). The engine's decode steps run in it, their CUDA-graph captures and the warm-up
+    before them alike (so the kernels are compiled before the capture)."""
+    before = getattr(_scope, "on", False)
+    _scope.on = on
+    try:
+        yield
+    finally:
+        _scope.on = before
+
+
 def pdl(device: torch.device) -> dict:
-    """Launch options for the forward kernels on `device`: {"PDL": True, "launch_pdl": True} where programmatic
-    dependent launch works (CUDA compute capability 9 and up: Hopper), else {"PDL": False}.
+    """Launch options for the forward kernels on `device`: {"PDL": True, "launch_pdl": True} inside
+    dependent_launch() on a device with programmatic dependent launch (compute capability 9 and up: Hopper),
+    else {"PDL": False}.
 
     With it a kernel is launched while the one before it in the stream is still finishing: its programs start
-    as the earlier kernel's last ones run, do what does not depend on it (a GEMV reads its first weight tile),
+    as the earlier kernel's last ones run, do what does not depend on it (a GEMV reads its first weight columns),
     then wait in `wait_prior` until the earlier kernel's writes are visible. A decode step is ~300 short kernels
-    back to back, so the gap between two of them is a good part of the step. DARK_PDL=0 turns it off."""
+    back to back, so the gaps between them are a good part of it (on the H200 at Qwen2.5-7B shapes, batch 1:
+    4.16 -> 3.98 ms a step). Decode steps only: the kernels of prefill and training launch as before.
+    DARK_PDL=0 turns it off."""
+    if not getattr(_scope, "on", False):
+        return {"PDL": False}
     device = torch.device(device)
     if device.type != "cuda" or os.environ.get("DARK_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
         return {"PDL": False}

@@ -496,16 +496,16 @@ def test_gemv_qwen_shapes(n, k, bias):
     assert ((out - ref).norm() / ref.norm()).item() < 1e-2
 
 
-def test_dependent_launch_chain_in_a_cuda_graph(monkeypatch):
+def test_dependent_launch_chain_in_a_cuda_graph():
     """Programmatic dependent launch (each kernel starts while the one before finishes, and waits in-kernel for its
     writes): a chain of the decode kernels, each reading what the one before wrote, captured in a CUDA graph and
     replayed on new inputs, gives bit for bit what the same chain gives launched the ordinary way. A kernel that
     read its input before the wait would read the previous replay's values."""
-    from dark.kernels import pdl
+    from dark.kernels import dependent_launch, pdl
     from dark.kernels.gemv import gemv
     from dark.kernels.norm_rope import add_rms_norm, rms_norm, silu_mul
 
-    assert pdl(torch.device("cuda")).get("launch_pdl") == (torch.cuda.get_device_capability()[0] >= 9)
+    assert not pdl(torch.device("cuda"))["PDL"]  # outside dependent_launch(): the kernels launch as usual
     g = torch.Generator(device="cuda").manual_seed(7)
     hidden, inter = 3584, 18944
     norm_w = torch.rand(hidden, device="cuda", generator=g).bfloat16() + 0.5
@@ -514,20 +514,21 @@ def test_dependent_launch_chain_in_a_cuda_graph(monkeypatch):
 
     def chain(x):
         h = rms_norm(x, norm_w, 1e-6)
-        for _ in range(4):
-            d = gemv(silu_mul(gemv(h, w_gu), inter), w_down)
+        for i in range(4):
+            act = gemv(h, w_gu, glu=True) if i % 2 else silu_mul(gemv(h, w_gu), inter)
+            d = gemv(act, w_down)
             h, x = add_rms_norm(x, d, norm_w, 1e-6)
         return h
 
     inputs = [torch.randn(1, hidden, device="cuda", generator=g).bfloat16() for _ in range(6)]
-    monkeypatch.setenv("DARK_PDL", "0")
     expected = [chain(x) for x in inputs]
-    monkeypatch.delenv("DARK_PDL")
     static = inputs[0].clone()
-    chain(static)  # compiled outside the capture
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain(static)
+    with dependent_launch():
+        assert pdl(torch.device("cuda")).get("launch_pdl") == (torch.cuda.get_device_capability()[0] >= 9)
+        chain(static)  # compiled outside the capture
+        with torch.cuda.graph(graph):
+            out = chain(static)
     for x, ref in zip(inputs, expected):
         static.copy_(x)
         graph.replay()

@@ -128,9 +128,10 @@ class ModelRunner:
         meta = self._meta_dev[:, :rows]
         attn = PagedDecodeAttention(self.cache, meta[_SLOT], self._bt_dev[:rows], meta[_CTX])
         lora = SlotLoRA.with_kernels(self.slots, meta[_LORA]) if with_lora else None
-        hidden = self.model.hidden_states(meta[_IDS], meta[_POS], attn, lora)
-        out = self._logits[:rows]
-        out.copy_(self.model.lm_head(hidden, lora))
+        with kernel_module().dependent_launch():  # each kernel overlaps the tail of the one before (Hopper)
+            hidden = self.model.hidden_states(meta[_IDS], meta[_POS], attn, lora)
+            out = self._logits[:rows]
+            out.copy_(self.model.lm_head(hidden, lora))
         return out
 
     def _run_decode(self, batch: list[tuple[Sequence, int]], ahead: bool) -> dict[int, tuple[int, float | None]]:
