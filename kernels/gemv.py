@@ -105,10 +105,12 @@ def gemv(x, weight, bias=None, block_n: int | None = None, block_k: int | None =
     N = weight.shape[0] // 2 if glu else weight.shape[0]
     assert weight.shape[1] == K and weight.stride(1) == 1 and not (glu and (bias is not None or weight.shape[0] % 2))
     bn, bk, nw, fk = config(N, K, glu)
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        bn = 1024  # the CPU interpreter runs program by program: few large ones (an LM head is 10^4 programs)
+    explicit_n = block_n
     block_n, block_k, num_warps = block_n or bn, block_k or bk, num_warps or nw
     first_k = min(first_k or (fk if block_k == bk else block_k), triton.next_power_of_2(K))  # no wider than a row
+    if os.environ.get("TRITON_INTERPRET") == "1" and not explicit_n:
+        # the CPU interpreter runs program by program: few large ones (an LM head is 10^4 programs of 4 rows)
+        block_n = max(block_n, min(1024, 2**18 // max(first_k, block_k)))
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     _gemv_kernel[(triton.cdiv(N, block_n),)](x, weight, bias if bias is not None else weight, out, N, K, x.stride(0),
                                              weight.stride(0), out.stride(0), M=M, HAS_BIAS=bias is not None,
