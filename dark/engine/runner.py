@@ -32,6 +32,7 @@ class ModelRunner:
         self.device = cache.data.device
         self._buffers_for = 0  # decode buffers are made on the first fast step
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._replay_stream = None  # the stream the graphs replay on (the engine's)
         self._pool = None
         self.fast_steps = 0  # decode steps that took the fast path
         # launch the next decode step before this one's tokens are back: "graphs" where decode steps are CUDA
@@ -54,7 +55,11 @@ class ModelRunner:
 
     def _drop_graphs(self) -> None:
         """Forget every captured graph, and their memory pool with them: a pool whose graphs are all gone is
-        released by the allocator, and capturing into its old handle again fails."""
+        released by the allocator, and capturing into its old handle again fails. A replay may still be queued
+        (a step launched ahead, or the one just launched when the buffers grow): its graph and memory stay until
+        the device is past it."""
+        if self._graphs and self._replay_stream is not None:
+            self._replay_stream.synchronize()
         self._graphs.clear()
         self._pool = None
         self._ahead = None
@@ -221,6 +226,7 @@ class ModelRunner:
             entry = self._graphs[key] = (graph, out)
             log.info("captured the decode step for %d sequences%s", rows, " with adapters" if with_lora else "")
         graph, out = entry
+        self._replay_stream = torch.cuda.current_stream(self.device)
         graph.replay()
         return out
 
