@@ -30,11 +30,33 @@ def gemv_reference(x, weight, bias=None):
 if triton is not None:
 
     @triton.jit
+    def _lora_delta(h_ptr, b_ptr, s, cols, cm, N1, N2, stride_bs, stride_br, R: tl.constexpr, BR: tl.constexpr,
+                    MEMBERS: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
+        """fp32 [BLOCK_N]: the adapter's delta for output columns `cols` (mask cm) of a batch of one, from its codes
+        h [SPLITS, MEMBERS, BR] (partial sums over K ranges, as lora_shrink writes them) and B of slot s (rank row
+        r of column c holds the row of c's member: lora_expand's layout; members start at columns N1, N2)."""
+        r = tl.arange(0, BR)
+        sp = tl.arange(0, SP)
+        b = tl.load(b_ptr + s * stride_bs + r[:, None] * stride_br + cols[None, :],
+                    mask=(r < R)[:, None] & cm[None, :], other=0.0).to(tl.float32)
+        member = (cols >= N1).to(tl.int32) + (cols >= N2).to(tl.int32)
+        delta = tl.zeros(cols.shape, tl.float32)
+        for mm in tl.static_range(MEMBERS):
+            hm = tl.sum(tl.load(h_ptr + sp[:, None] * (MEMBERS * BR) + mm * BR + r[None, :],
+                                mask=(sp < SPLITS)[:, None], other=0.0), 0)
+            delta += tl.where(member == mm, tl.sum(b * hm[:, None], 0), 0.0)
+        return delta
+
+    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
+                     lslot_ptr, lh_ptr, lb_ptr, N1, N2, stride_bs, stride_br,
                      M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     FIRST_K: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr):
+                     FIRST_K: tl.constexpr, GLU: tl.constexpr, LORA: tl.constexpr, R: tl.constexpr,
+                     BR: tl.constexpr, MEMBERS: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
+                     PDL: tl.constexpr):
         # GLU: W is [2N, K], gate rows then up rows, and out = silu(x @ gate^T) * (x @ up^T), both products
-        # rounded to out's dtype first (what the GEMV then silu_mul give)
+        # rounded to out's dtype first (what the GEMV then silu_mul give). LORA (a batch of one): the adapter's
+        # delta added before that rounding (a GLU's gate and up columns are its columns n and N + n).
         pid = tl.program_id(0)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < N
@@ -48,6 +70,14 @@ if triton is not None:
         if GLU:
             u1 = tl.load(up + k1[None, :], mask=m1, other=0.0).to(tl.float32)
         wait_prior(PDL)
+        if LORA:  # its loads issued before the main loop's (the codes come from the kernel just before)
+            ls = tl.load(lslot_ptr).to(tl.int64)
+            lm = nm & (ls >= 0)
+            ls = tl.maximum(ls, 0)
+            delta = _lora_delta(lh_ptr, lb_ptr, ls, n, lm, N1, N2, stride_bs, stride_br, R, BR, MEMBERS, SPLITS, SP)
+            if GLU:
+                delta_u = _lora_delta(lh_ptr, lb_ptr, ls, n + N, lm, N1, N2, stride_bs, stride_br, R, BR, MEMBERS,
+                                      SPLITS, SP)
         kk = tl.arange(0, BLOCK_K)
         for m in tl.static_range(M):
             x1 = tl.load(x_ptr + m * stride_xm + k1, mask=k1 < K, other=0.0).to(tl.float32)
@@ -69,9 +99,15 @@ if triton is not None:
             if HAS_BIAS:
                 y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
             if GLU:
+                yu += tl.sum(acc_u, 1)
+            if LORA:
+                y += delta
+                if GLU:
+                    yu += delta_u
+            if GLU:
                 dt = out_ptr.dtype.element_ty
                 g = y.to(dt).to(tl.float32)
-                y = g * tl.sigmoid(g) * (yu + tl.sum(acc_u, 1)).to(dt).to(tl.float32)
+                y = g * tl.sigmoid(g) * yu.to(dt).to(tl.float32)
             tl.store(out_ptr + m * stride_om + n, y.to(out_ptr.dtype.element_ty), mask=nm)
 
 
@@ -92,13 +128,18 @@ def config(n: int, k: int, glu: bool = False) -> tuple[int, int, int, int]:
 
 
 def gemv(x, weight, bias=None, block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-         num_stages: int = 3, first_k: int | None = None, glu: bool = False):
+         num_stages: int = 3, first_k: int | None = None, glu: bool = False, lora: dict | None = None):
     """x [M, K] (M small: the kernel reads W once per row of x, so it is for M = 1), weight [N, K] with unit stride
     along K, bias [N] or None -> [M, N] in x's dtype. Block sizes default to config(N, K); first_k (a power of
     two) columns of each row are read before the wait for the kernel before.
 
     glu: weight is [2 * N, K], a gate projection's rows then an up projection's (no bias), and the result is
-    silu(x @ gate^T) * (x @ up^T) [M, N]: the MLP's gate/up GEMV and silu_mul in one launch, equal to the two."""
+    silu(x @ gate^T) * (x @ up^T) [M, N]: the MLP's gate/up GEMV and silu_mul in one launch, equal to the two.
+
+    lora (M = 1): an adapter's delta added in the same launch, instead of lora_expand's after it: {"h": the codes
+    from lora_shrink [1, splits, members, BR], "B": factors [slots, rows, outputs] as lora_expand takes them,
+    "slot": the token's slot (a 1-element integer tensor, -1: none), "rank", "splits": the members' output sizes
+    (None: one member)}. The sum is rounded once (lora_expand rounds the GEMV's output, then the sum)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     M, K = x.shape
@@ -112,8 +153,24 @@ def gemv(x, weight, bias=None, block_n: int | None = None, block_k: int | None =
         # the CPU interpreter runs program by program: few large ones (an LM head is 10^4 programs of 4 rows)
         block_n = max(block_n, min(1024, 2**18 // max(first_k, block_k)))
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    lo = _lora_args(lora, M, weight.shape[0])
     _gemv_kernel[(triton.cdiv(N, block_n),)](x, weight, bias if bias is not None else weight, out, N, K, x.stride(0),
-                                             weight.stride(0), out.stride(0), M=M, HAS_BIAS=bias is not None,
-                                             BLOCK_N=block_n, BLOCK_K=block_k, FIRST_K=first_k, GLU=glu,
-                                             num_warps=num_warps, num_stages=num_stages, **pdl(x.device))
+                                             weight.stride(0), out.stride(0), *lo["args"], M=M,
+                                             HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+                                             FIRST_K=first_k, GLU=glu, **lo["consts"], num_warps=num_warps,
+                                             num_stages=num_stages, **pdl(x.device))
     return out
+
+
+def _lora_args(lora: dict | None, M: int, rows: int) -> dict:
+    """The kernel's LoRA arguments: pointers and sizes, and its constants."""
+    if lora is None:
+        return {"args": (None, None, None, 0, 0, 0, 0), "consts": dict(LORA=False, R=1, BR=16, MEMBERS=1, SPLITS=1, SP=1)}
+    h, B, slot = lora["h"], lora["B"], lora["slot"]
+    splits = lora.get("splits") or [rows]
+    assert M == 1 and slot.numel() == 1 and h.shape[0] == 1 and h.shape[2] == len(splits) <= 3
+    assert B.stride(2) == 1 and B.shape[2] == rows == sum(splits) and h.is_contiguous()
+    bounds = [sum(splits[:i + 1]) for i in range(len(splits) - 1)] + [rows, rows]
+    return {"args": (slot, h, B, bounds[0], bounds[1], B.stride(0), B.stride(1)),
+            "consts": dict(LORA=True, R=lora["rank"], BR=h.shape[3], MEMBERS=h.shape[2], SPLITS=h.shape[1],
+                           SP=triton.next_power_of_2(h.shape[1]))}

@@ -155,6 +155,17 @@ def test_mixed_adapters_match_peft_on_cuda(tiny_models, tmp_path):
             out = results[(adapter, prompt)]
             assert out.output_ids == tokens, f"adapter {adapter}: tokens differ from PEFT for {prompt!r}"
             torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(logprobs), atol=1e-3, rtol=1e-3)
+            if prompt == PROMPTS[0] and adapter is not None:
+                # alone: batch-1 decode steps, the GEMV adding the adapter's delta itself
+                steps = llm.engine.runner.fast_steps
+                finished, got = threading.Event(), []
+                llm.submit(prompt, lambda o: o.finished and (got.append(o) or finished.set()), adapter=adapter,
+                           max_tokens=16, ignore_eos=True, logprobs=True)
+                assert finished.wait(60)
+                alone = got[0]
+                assert llm.engine.runner.fast_steps - steps >= 14
+                assert alone.output_ids == tokens, f"adapter {adapter} alone: tokens differ from PEFT"
+                torch.testing.assert_close(torch.tensor(alone.logprobs), torch.tensor(logprobs), atol=1e-3, rtol=1e-3)
 
 
 def test_graphs_captured_again_after_all_were_dropped(tiny_models):

@@ -759,6 +759,51 @@ def test_gemv_matches_reference(dtype, tol, n, k, bias):
     assert rel_err(out.float().cpu(), gemv_reference(x.float(), w.float(), None if b is None else b.float()).cpu()) < tol
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("splits,glu,slot", [(None, False, 1), ([40, 24, 24], False, 2), ([48, 48], True, 0),
+                                             (None, False, -1)])
+def test_gemv_adds_the_lora_delta_itself(dtype, tol, splits, glu, slot):
+    """A batch of one: the GEMV with an adapter's codes adds the delta itself (one projection; a q/k/v group of
+    three members; gate/up with SiLU * up), equal to the GEMV then lora_expand, and to the reference; a token
+    with no adapter (slot -1) gets the base projection."""
+    from dark.kernels.gemv import gemv
+    from dark.kernels.lora import lora_expand, lora_shrink
+    from dark.kernels.norm_rope import silu_mul
+
+    g = torch.Generator().manual_seed(len(splits or []) + glu)
+    slots_n, rank, max_rank, K = 3, 6, 8, 300
+    outs = splits or [56]
+    members, N = len(outs), sum(outs)
+    A = torch.zeros(slots_n, members * max_rank, K)
+    for m in range(members):
+        A[:, m * max_rank:m * max_rank + rank] = torch.randn(slots_n, rank, K, generator=g) / K ** 0.5
+    B = torch.zeros(slots_n, max_rank, N)
+    B[:, :rank] = torch.randn(slots_n, rank, N, generator=g)
+    A, B = A.to(DEV, dtype), B.to(DEV, dtype)
+    x = torch.randn(1, K, generator=g).to(DEV, dtype)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(DEV, dtype)
+    bias = None if glu else torch.randn(N, generator=g).to(DEV, dtype)
+    slots = torch.tensor([slot], device=DEV)
+    stride = max_rank if splits else 0
+    h = lora_shrink(x, A, slots, rank, members=members, stride=stride)
+    ep = {"h": h, "B": B, "slot": slots, "rank": rank, "splits": splits}
+    out = gemv(x, w, bias, glu=glu, lora=ep)
+    two = lora_expand(h, B, slots, gemv(x, w, bias), rank, splits=splits)
+    if glu:
+        two = silu_mul(two, N // 2)
+    torch.testing.assert_close(out.float(), two.float(), rtol=tol, atol=tol)
+    full = x.float() @ w.float().T + (0 if bias is None else bias.float())
+    if slot >= 0:
+        for m, (start, n) in enumerate(zip([0] + list(torch.tensor(outs).cumsum(0)[:-1].tolist()), outs)):
+            a = A[slot, m * stride:m * stride + rank].float()
+            full[:, start:start + n] += (x.float() @ a.T) @ B[slot, :rank, start:start + n].float()
+    ref = silu_mul(full, N // 2) if glu else full
+    assert rel_err(out.float().cpu(), ref.cpu()) < tol
+    if slot < 0:
+        base = gemv(x, w, bias, glu=glu)
+        torch.testing.assert_close(out, base, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n,k", [(37, 100), (5, 9000)])
 def test_gemv_glu_is_the_gemv_then_silu_mul(dtype, n, k):

@@ -125,6 +125,26 @@ class SlotLoRA:
         lora.kernel_segments = kernel_module("lora").lora_segments(token_slots, slots.num_slots)
         return lora
 
+    def gemv_lora(self, layer: int, key: str, x: torch.Tensor, group: bool = False):
+        """A batch of one on the kernel path: the codes of this projection (group: of this fused group) from
+        lora_shrink, and what the GEMV needs to add the delta itself (dark.kernels.gemv's `lora`), in place of
+        lora_expand's launch after it. None when no adapter has factors there; False off that path."""
+        if self.kernel_slots is None or self.kernel_segments.dim() != 1 or x.shape[0] != 1:
+            return False
+        if group:
+            entry = self.slots.groups.get((layer, key))
+            if entry is None:
+                return None
+            A, B, outs = entry
+            stride = self.slots.max_rank
+        else:
+            A, B, outs, stride = self.slots.A.get((layer, key)), self.slots.B.get((layer, key)), None, 0
+            if A is None:
+                return None
+        h = kernel_module("lora").lora_shrink(x, A, self.kernel_slots, self.r, members=len(outs) if outs else 1,
+                                              stride=stride, segments=self.kernel_segments)
+        return {"h": h, "B": B, "slot": self.kernel_slots, "rank": self.r, "splits": outs}
+
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         A = self.slots.A.get((layer, module))
         if A is None:

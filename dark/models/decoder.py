@@ -155,6 +155,27 @@ def _gemv_applies(x: torch.Tensor, fused: bool) -> bool:
     return fused and x.dim() == 2 and x.shape[0] == 1 and not torch.is_grad_enabled()
 
 
+def _gemv_lora(lora, layer: int, key: str, x: torch.Tensor, group: bool = False):
+    """What the GEMV needs to add the adapter's delta itself (a batch of one on the kernel path: SlotLoRA.gemv_lora);
+    None with nothing to add, False when the delta must be added after the projection (lora.apply)."""
+    if lora is None:
+        return None
+    fn = getattr(lora, "gemv_lora", None)
+    return False if fn is None else fn(layer, key, x, group)
+
+
+def _project_lora(x, weight, bias, fused: bool, lora, layer: int, key: str, group: bool = False) -> torch.Tensor:
+    """_project plus the adapter's delta (lora.apply / apply_group); for one token on the kernel path, in the GEMV."""
+    if _gemv_applies(x, fused):
+        ep = _gemv_lora(lora, layer, key, x, group)
+        if ep is not False:
+            return kernel_module("gemv").gemv(x, weight, bias, lora=ep)
+    y = _project(x, weight, bias, fused)
+    if lora is None:
+        return y
+    return lora.apply_group(layer, key, x, y) if group else lora.apply(layer, key, x, y)
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, layer: int, name: str):
         super().__init__()
@@ -164,8 +185,7 @@ class Linear(nn.Module):
         self.fused = False  # CausalLM.use_fused_kernels
 
     def forward(self, x: torch.Tensor, lora: LoRA | None) -> torch.Tensor:
-        y = _project(x, self.weight, self.bias, self.fused)
-        return y if lora is None else lora.apply(self.layer, self.name, x, y)
+        return _project_lora(x, self.weight, self.bias, self.fused, lora, self.layer, self.name)
 
 
 class RMSNorm(nn.Module):
@@ -249,9 +269,7 @@ class SelfAttention(nn.Module):
         t = x.shape[0]
         training = self.fused and torch.is_grad_enabled()  # the Triton kernels' autograd forms
         if self.qkv is not None and _grouped(lora):
-            y = _project(x, *self.qkv, self.fused)
-            if lora is not None:
-                y = lora.apply_group(self.layer, "qkv", x, y)
+            y = _project_lora(x, *self.qkv, self.fused, lora, self.layer, "qkv", group=True)
             if training and self.q_norm is None:
                 # split, rotary and their backward in a few launches, one gradient for y
                 q, k, v = kernel_module("norm_rope").qkv_rotary_train(y, self.nh, self.nkv, self.d, cos, sin)
@@ -291,12 +309,11 @@ class MLP(nn.Module):
 
     def forward(self, x, lora: LoRA | None):
         if self.gate_up is not None and _grouped(lora):
-            if lora is None and self.gate_up[1] is None and _gemv_applies(x, self.fused):
-                # one token, no adapter: the GEMV gives silu(gate) * up itself
-                return self.down_proj(kernel_module("gemv").gemv(x, self.gate_up[0], glu=True), lora)
-            y = _project(x, *self.gate_up, self.fused)
-            if lora is not None:
-                y = lora.apply_group(self.layer, "gate_up", x, y)
+            if self.gate_up[1] is None and _gemv_applies(x, self.fused):
+                ep = _gemv_lora(lora, self.layer, "gate_up", x, group=True)
+                if ep is not False:  # one token: the GEMV adds the adapter's delta and gives silu(gate) * up itself
+                    return self.down_proj(kernel_module("gemv").gemv(x, self.gate_up[0], glu=True, lora=ep), lora)
+            y = _project_lora(x, *self.gate_up, self.fused, lora, self.layer, "gate_up", group=True)
             if self.fused:  # silu(gate) * up in one launch (and one for its backward)
                 kernels = kernel_module("norm_rope")
                 act = (kernels.silu_mul_train if torch.is_grad_enabled() else kernels.silu_mul)(y, self.size)
