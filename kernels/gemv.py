@@ -30,15 +30,21 @@ def gemv_reference(x, weight, bias=None):
 if triton is not None:
 
     @triton.jit
-    def _lora_delta(h_ptr, b_ptr, s, cols, cm, N1, N2, stride_bs, stride_br, R: tl.constexpr, BR: tl.constexpr,
-                    MEMBERS: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
-        """fp32 [BLOCK_N]: the adapter's delta for output columns `cols` (mask cm) of a batch of one, from its codes
-        h [SPLITS, MEMBERS, BR] (partial sums over K ranges, as lora_shrink writes them) and B of slot s (rank row
-        r of column c holds the row of c's member: lora_expand's layout; members start at columns N1, N2)."""
+    def _lora_b(b_ptr, s, cols, cm, stride_bs, stride_br, R: tl.constexpr, BR: tl.constexpr):
+        """fp32 [BR, BLOCK_N]: B of slot s at output columns `cols` (mask cm): rank row r of column c holds the row
+        of c's member (lora_expand's layout)."""
+        r = tl.arange(0, BR)
+        return tl.load(b_ptr + s * stride_bs + r[:, None] * stride_br + cols[None, :],
+                       mask=(r < R)[:, None] & cm[None, :], other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _lora_delta(h_ptr, b, cols, N1, N2, BR: tl.constexpr, MEMBERS: tl.constexpr, SPLITS: tl.constexpr,
+                    SP: tl.constexpr):
+        """fp32 [BLOCK_N]: the adapter's delta at output columns `cols` for a batch of one, from its B tile (_lora_b)
+        and its codes h [SPLITS, MEMBERS, BR] (partial sums over K ranges, as lora_shrink writes them; members'
+        outputs start at columns N1, N2)."""
         r = tl.arange(0, BR)
         sp = tl.arange(0, SP)
-        b = tl.load(b_ptr + s * stride_bs + r[:, None] * stride_br + cols[None, :],
-                    mask=(r < R)[:, None] & cm[None, :], other=0.0).to(tl.float32)
         member = (cols >= N1).to(tl.int32) + (cols >= N2).to(tl.int32)
         delta = tl.zeros(cols.shape, tl.float32)
         for mm in tl.static_range(MEMBERS):
@@ -69,15 +75,20 @@ if triton is not None:
         w1 = tl.load(rows + k1[None, :], mask=m1, other=0.0).to(tl.float32)
         if GLU:
             u1 = tl.load(up + k1[None, :], mask=m1, other=0.0).to(tl.float32)
-        wait_prior(PDL)
-        if LORA:  # its loads issued before the main loop's (the codes come from the kernel just before)
+        if LORA:
+            # the slot and B before the wait as well: the slot is the step's input (copied before the step's
+            # first kernel), B an adapter's weights; only the codes come from the kernel just before
             ls = tl.load(lslot_ptr).to(tl.int64)
             lm = nm & (ls >= 0)
             ls = tl.maximum(ls, 0)
-            delta = _lora_delta(lh_ptr, lb_ptr, ls, n, lm, N1, N2, stride_bs, stride_br, R, BR, MEMBERS, SPLITS, SP)
+            lb = _lora_b(lb_ptr, ls, n, lm, stride_bs, stride_br, R, BR)
             if GLU:
-                delta_u = _lora_delta(lh_ptr, lb_ptr, ls, n + N, lm, N1, N2, stride_bs, stride_br, R, BR, MEMBERS,
-                                      SPLITS, SP)
+                lb_u = _lora_b(lb_ptr, ls, n + N, lm, stride_bs, stride_br, R, BR)
+        wait_prior(PDL)
+        if LORA:
+            delta = _lora_delta(lh_ptr, lb, n, N1, N2, BR, MEMBERS, SPLITS, SP)
+            if GLU:
+                delta_u = _lora_delta(lh_ptr, lb_u, n + N, N1, N2, BR, MEMBERS, SPLITS, SP)
         kk = tl.arange(0, BLOCK_K)
         for m in tl.static_range(M):
             x1 = tl.load(x_ptr + m * stride_xm + k1, mask=k1 < K, other=0.0).to(tl.float32)

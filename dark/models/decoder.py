@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,7 +162,9 @@ def _gemv_lora(lora, layer: int, key: str, x: torch.Tensor, group: bool = False)
     if lora is None:
         return None
     fn = getattr(lora, "gemv_lora", None)
-    return False if fn is None else fn(layer, key, x, group)
+    if fn is None or os.environ.get("DARK_GEMV_LORA", "1") == "0":
+        return False
+    return fn(layer, key, x, group)
 
 
 def _project_lora(x, weight, bias, fused: bool, lora, layer: int, key: str, group: bool = False) -> torch.Tensor:
