@@ -20,6 +20,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_decode import replay_ms  # noqa: E402
 
 SHAPES = {"qkv": (4608, 3584, False), "o": (3584, 3584, False), "gate_up_glu": (18944, 3584, True),
           "down": (3584, 18944, False), "lm_head": (152064, 3584, False)}
@@ -27,21 +30,14 @@ CALLS = 20
 
 
 def graph_us(fn, calls: int = CALLS, reps: int = 20) -> float:
+    """Microseconds per call of fn(i) for i < calls, captured back to back in one CUDA graph."""
     fn(0)  # compiles outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(calls):
             fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / (reps * calls)
+    return replay_ms(graph, reps) * 1000 / calls
 
 
 def main() -> None:
