@@ -3,8 +3,11 @@
 On CUDA, a step that only decodes (one new token per sequence) takes the fast path: its inputs go into fixed
 device buffers with one host-to-device copy, attention reads the paged cache through the Triton kernel, LoRA
 runs through the per-token slot kernels, and the whole forward (LM head included) is replayed from a CUDA
-graph captured once per batch-size bucket, with or without adapters. Prefill and mixed steps, and the CPU,
-take the plain-torch path. DARK_KERNELS=0 or DARK_CUDA_GRAPHS=0 turn the fast path or its graphs off.
+graph captured once per batch-size bucket, with or without adapters. When nothing waits to join, the step
+after it is launched on the sampled tokens still on the device before they are read back (the engine's host
+work between two steps then overlaps the next one). Prefill and mixed steps, and the CPU, take the plain-torch
+path. DARK_KERNELS=0 or DARK_CUDA_GRAPHS=0 turn the fast path or its graphs off, DARK_DECODE_AHEAD=0 the
+launching ahead.
 """
 from __future__ import annotations
 
