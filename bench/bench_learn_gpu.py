@@ -329,8 +329,11 @@ def bench_dark_decode(llm, clock, args, device, report, save, solo_rate) -> None
 
             th = threading.Thread(target=loop, daemon=True)
             th.start()
-            while len(stamps) < 2 and th.is_alive():
+            # three steps alone first: the last two give the solo rate of this very loop, just before the window
+            # (the rate of a separate training run moved ~30% between runs of the same code)
+            while len(stamps) < 4 and th.is_alive():
                 time.sleep(0.01)
+            before = rate_between(stamps[1:], 0.0, time.perf_counter(), args.train_batch * args.seq_len)
             fig, g, t0, t1 = one_run(10 + i)
             tokens = args.train_batch * args.seq_len
             rounds = 1
@@ -350,16 +353,21 @@ def bench_dark_decode(llm, clock, args, device, report, save, solo_rate) -> None
             th.join(timeout=120)
             during = rate_between(stamps, t0, t1, tokens)
             fig.update(train_tok_s_during=during["tok_s"], train_steps_during=during["steps"],
-                       trainer_stopped=not th.is_alive(), errors=errors)
+                       train_tok_s_before=before["tok_s"], trainer_stopped=not th.is_alive(), errors=errors)
         runs.append({"mode": mode, **fig})
         pooled[mode] += g
         print(json.dumps(runs[-1]), flush=True)
     gc.callbacks.remove(gcp)
     busy = [r for r in runs if r["mode"] == "while_training" and r["train_tok_s_during"]]
     during = round(statistics.median(r["train_tok_s_during"] for r in busy), 1) if busy else None
+    before = [r["train_tok_s_before"] for r in busy if r.get("train_tok_s_before")]
+    adjacent = round(statistics.median(before), 1) if before else None
+    ratio = (lambda solo: round(during / solo, 3) if during and solo else None)
+    # the ratio against the same loop's rate just before the window where there is one, else the training part's
     fig = {"system": "dark", "streams": args.streams, "solo": latency(pooled["solo"]),
            "while_training": latency(pooled["while_training"]), "train_tok_s_during": during,
-           "train_tok_s_solo": solo_rate, "train_ratio": round(during / solo_rate, 3) if during and solo_rate else None,
+           "train_tok_s_solo": solo_rate, "train_tok_s_just_before": adjacent,
+           "train_ratio": ratio(adjacent or solo_rate), "train_ratio_vs_training_part": ratio(solo_rate),
            "runs": runs}
     report["decode"].append(fig)
     print(json.dumps({k: v for k, v in fig.items() if k != "runs"}), flush=True)
@@ -528,7 +536,8 @@ def print_tables(report: dict) -> None:
     for r in report["decode"]:
         s, b = r["solo"], r["while_training"]
         print(f"| {r['system']} | {r['streams']} | {s['p50_ms']} / {s['p99_ms']} | {b['p50_ms']} / {b['p99_ms']} | "
-              f"{r['train_tok_s_solo']} -> {r['train_tok_s_during']} ({r['train_ratio']}) |")
+              f"{r.get('train_tok_s_just_before') or r['train_tok_s_solo']} -> {r['train_tok_s_during']} "
+              f"({r['train_ratio']}) |")
     print("\n| K | job | tokens | submit s | to running s | to done s | steps | train s |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in report["learn"]:
         print(f"| {r['k']} | {r['job']} | {r['example_tokens']} | {r['submit_return_s']} | {r['to_running_s']} | "

@@ -22,7 +22,7 @@ Lines (dark / baseline):
                             weights never verify), a warm adapter's second job; the first job is reported too
   decode_p99_ratio_during_training, train_ratio_during_decode
                             8 greedy streams' p99 per-token latency while a training loop runs over solo, and the
-                            loop's tokens/s during decode over its solo rate
+                            loop's tokens/s during decode over its own rate alone just before (2 steps)
   memory_outside_kv_gb      peak device memory of the dark phase (serving, 32 adapters, training) less the KV
                             cache / HF + PEFT peak while training
 """
