@@ -3,7 +3,10 @@
 A decode step at batch 1 is bound by reading the weights once (15 GB for a 7B model), so what matters is the
 bandwidth a kernel reaches on each projection's shape. Each program reads BLOCK_N whole rows of W (contiguous,
 coalesced along K) and keeps the few x rows in registers: no split of K, hence no second reduction kernel.
-gemv_reference is the plain-torch definition.
+Two epilogues save the decode step a launch each: `glu` (the MLP's gate/up with SiLU * up) and `lora` (one
+token's adapter delta from lora_shrink's codes). Under programmatic dependent launch (dark.kernels.pdl) a
+program reads its first weight columns before waiting for the kernel before. gemv_reference is the plain-torch
+definition.
 """
 from __future__ import annotations
 
