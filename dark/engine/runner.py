@@ -117,8 +117,7 @@ class ModelRunner:
         # wide enough for the longest context from the start (a few MB), so graphs are rarely captured again
         longest = min(self.cache.num_blocks, 4096)
         width = max(width, 64, longest, self._bt_dev.shape[1] * 2 if self._buffers_for else 0)
-        self._drop_graphs()
-        self._ahead = None
+        self._drop_graphs()  # a step launched ahead goes with them
         pin = self.device.type == "cuda"
         self._host = [_HostSide(rows, width, pin) for _ in range(2)]
         self._turn = 0
