@@ -38,17 +38,16 @@ def test_shared_prefix_matches_each_sequence_alone(prefix, batch, length):
         assert torch.allclose(a, b, atol=1e-10)
 
 
-def test_paged_step_mixing_decodes_and_prefill_chunks_matches_dense():
-    """One step holding decode rows, a prefill from position 0 and a chunk continuing a cached context: each
-    token's output equals causal attention over its own sequence's keys, read back from the paged cache."""
+def paged_step_case(device, dtype, heads=4, kvh=2, dim=16, bs=4, seqs=((9, 1), (0, 7), (5, 6), (2, 1), (0, 1))):
+    """One step holding decode rows, prefills from position 0 and chunks continuing a cached context, in blocks
+    scattered through a one-layer cache: (PagedAttention's output, the reference). The reference for each token
+    is causal attention over its own sequence's keys (float64 on the CPU)."""
     from dark.engine.attention import KVCache, PagedAttention
 
     torch.manual_seed(3)
-    bs, heads, kvh, dim = 4, 4, 2, 16
-    cache = KVCache(1, 64, bs, kvh, dim, torch.float64, "cpu")
-    # (tokens already in the cache, new tokens this step)
-    seqs = [(9, 1), (0, 7), (5, 6), (2, 1), (0, 1)]
-    free = iter(torch.randperm(64).tolist())  # blocks scattered through the cache
+    blocks = sum((c + n + bs - 1) // bs for c, n in seqs) + 8
+    cache = KVCache(1, blocks, bs, kvh, dim, dtype, device)
+    free = iter(torch.randperm(blocks).tolist())
     tables, full_k, full_v = [], [], []
     for cached, new in seqs:
         total = cached + new
@@ -58,21 +57,35 @@ def test_paged_step_mixing_decodes_and_prefill_chunks_matches_dense():
         full_k.append(k)
         full_v.append(v)
         for p in range(cached):  # what earlier steps stored
-            cache.data[0, 0, table[p // bs], p % bs] = k[p]
-            cache.data[0, 1, table[p // bs], p % bs] = v[p]
+            cache.data[0, 0, table[p // bs], p % bs] = k[p].to(dtype)
+            cache.data[0, 1, table[p // bs], p % bs] = v[p].to(dtype)
     q_lens = [n for _, n in seqs]
     ctx_lens = [c + n for c, n in seqs]
-    slot_mapping = torch.tensor([t[p // bs] * bs + p % bs for (c, n), t in zip(seqs, tables) for p in range(c, c + n)])
+    slot_mapping = torch.tensor([t[p // bs] * bs + p % bs for (c, n), t in zip(seqs, tables) for p in range(c, c + n)],
+                                device=device)
     q = torch.randn(sum(q_lens), heads, dim, dtype=torch.float64)
     k_new = torch.cat([k[c:] for (c, _), k in zip(seqs, full_k)])
     v_new = torch.cat([v[c:] for (c, _), v in zip(seqs, full_v)])
-    out = PagedAttention(cache, q_lens, ctx_lens, tables, slot_mapping).attend(0, q, k_new, v_new)
+    attn = PagedAttention(cache, q_lens, ctx_lens, tables, slot_mapping)
+    out = attn.attend(0, *(t.to(device, dtype) for t in (q, k_new, v_new)))
+    refs = []
     row = 0
     for (c, n), k, v in zip(seqs, full_k, full_v):
+        # what the cache holds, in its precision
+        k, v = k.to(dtype).double(), v.to(dtype).double()
         for i in range(n):
             pos = c + i
-            qs = q[row][:, None]                                        # [heads, 1, dim]
+            qs = q[row].to(dtype).double()[:, None]                     # [heads, 1, dim]
             ks, vs = (t[:pos + 1].repeat_interleave(heads // kvh, 1).transpose(0, 1) for t in (k, v))
-            ref = F.scaled_dot_product_attention(qs, ks, vs)[:, 0]
-            assert torch.allclose(out[row], ref, atol=1e-12), (c, n, i)
+            refs.append(F.scaled_dot_product_attention(qs, ks, vs)[:, 0])
             row += 1
+    return attn, out, torch.stack(refs)
+
+
+def test_paged_step_mixing_decodes_and_prefill_chunks_matches_dense():
+    """Each token's output equals causal attention over its own sequence's keys, read back from the paged cache
+    (the padded form under a mask, which serves steps on the CPU)."""
+    attn, out, ref = paged_step_case("cpu", torch.float64)
+    assert not attn.varlen
+    for row in range(ref.shape[0]):
+        assert torch.allclose(out[row], ref[row], atol=1e-12), row

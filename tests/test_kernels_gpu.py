@@ -547,3 +547,27 @@ def test_gemv_glu_qwen_shape():
     out = gemv(x, w, glu=True).float()
     assert rel_err(out, silu_mul_reference(x.float() @ w.float().T, 18944)) < BF16_TOL
     assert rel_err(out, silu_mul(gemv(x, w), 18944).float()) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_paged_prefill_step_varlen_flash_matches_reference(dtype):
+    """A step of decode rows, fresh prefills and chunks continuing cached contexts, at Qwen2.5-7B's heads
+    (28 query, 4 key/value, dim 128) in blocks of 16: the packed flash path equals causal attention per
+    sequence, and the padded masked path too."""
+    from test_attention import paged_step_case
+
+    import dark.engine.attention as attention
+
+    seqs = ((300, 1), (0, 517), (130, 211), (37, 1), (0, 1), (1000, 64), (0, 16))
+    attn, out, ref = paged_step_case("cuda", dtype, heads=28, kvh=4, dim=128, bs=16, seqs=seqs)
+    assert attn.varlen
+    assert rel_err(out, ref) < BF16_TOL
+    for row in (0, 1, 517, 518 + 210, out.shape[0] - 1):  # single rows too: a ragged batch is where offsets slip
+        assert rel_err(out[row], ref[row]) < BF16_TOL, row
+    attention.VARLEN_ATTENTION = False
+    try:
+        attn, padded, ref = paged_step_case("cuda", dtype, heads=28, kvh=4, dim=128, bs=16, seqs=seqs)
+        assert not attn.varlen
+        assert rel_err(padded, ref) < BF16_TOL
+    finally:
+        attention.VARLEN_ATTENTION = True

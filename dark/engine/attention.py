@@ -6,6 +6,8 @@ replace `attend` without touching the model.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
@@ -24,14 +26,27 @@ class KVCache:
         return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
+VARLEN_ATTENTION = os.environ.get("DARK_VARLEN_ATTENTION", "1") != "0"
+
+
+def varlen_applies(cache: torch.Tensor) -> bool:
+    """Whether the packed flash path serves prefill steps on this cache: CUDA, half precision, head dim <= 256."""
+    return (VARLEN_ATTENTION and cache.is_cuda and cache.dtype in (torch.bfloat16, torch.float16)
+            and cache.shape[-1] <= 256 and cache.shape[-1] % 8 == 0)
+
+
 class PagedAttention:
     """Metadata of one engine step, shared by all layers.
 
     q_lens[b] new tokens of sequence b are computed at positions ctx_lens[b] - q_lens[b] .. ctx_lens[b] - 1;
-    its keys live in the blocks of block_tables[b]. The step's sequences attend as one padded batch under a dense
-    mask. (Attending each prefill chunk alone with bottom-right causal SDPA was tried on 2026-12-01: its ~8k-token
-    prefill steps of the offline benchmark measured 676-795 ms on the H200 against 418 ms for this form, for
-    reasons not yet profiled.)
+    its keys live in the blocks of block_tables[b].
+
+    On CUDA in bf16/fp16 the step's sequences attend as one packed variable-length batch through the flash
+    kernel torch ships (each sequence's keys gathered from its blocks, causal aligned to the bottom right, no
+    padding and no mask). Elsewhere (the CPU, float32/64, or DARK_VARLEN_ATTENTION=0) they attend as one padded
+    batch under a dense mask in SDPA. (Attending each prefill chunk alone with bottom-right causal SDPA was tried
+    on 2026-12-01: its ~8k-token prefill steps of the offline benchmark measured 676-795 ms on the H200 against
+    418 ms for the padded form.)
     """
 
     def __init__(self, cache: KVCache, q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]],
@@ -45,6 +60,18 @@ class PagedAttention:
         self.max_q = max(q_lens)
         q_lens_t = torch.tensor(q_lens, device=device)
         ctx_t = torch.tensor(ctx_lens, device=device)
+        self.varlen = varlen_applies(cache.data)
+        if self.varlen:
+            zero = torch.zeros(1, dtype=torch.int32, device=device)
+            self.cu_q = torch.cat([zero, torch.cumsum(q_lens_t, 0, dtype=torch.int32)])
+            self.cu_k = torch.cat([zero, torch.cumsum(ctx_t, 0, dtype=torch.int32)])
+            self.max_k = max(ctx_lens)
+            total_k = sum(ctx_lens)
+            # key i of the packed batch: sequence seq_of_k[i], position pos[i], cache slot kv_index[i]
+            seq_of_k = torch.repeat_interleave(torch.arange(len(ctx_lens), device=device), ctx_t, output_size=total_k)
+            pos = torch.arange(total_k, device=device) - self.cu_k[:-1].long()[seq_of_k]
+            self.kv_index = self.block_tables[seq_of_k, pos // bs] * bs + pos % bs
+            return
         # token i of the flat batch sits at (row b, column j) of the padded query batch
         self.q_row = torch.repeat_interleave(torch.arange(len(q_lens), device=device), q_lens_t)
         starts = torch.cumsum(q_lens_t, 0) - q_lens_t
@@ -59,6 +86,11 @@ class PagedAttention:
         heads, dim = kc.shape[-2:]
         kc.view(-1, heads, dim)[self.slot_mapping] = k
         vc.view(-1, heads, dim)[self.slot_mapping] = v
+        if self.varlen:
+            keys = kc.view(-1, heads, dim).index_select(0, self.kv_index)
+            values = vc.view(-1, heads, dim).index_select(0, self.kv_index)
+            return torch.ops.aten._flash_attention_forward(q.contiguous(), keys, values, self.cu_q, self.cu_k,
+                                                           self.max_q, self.max_k, 0.0, True, False)[0]
         b = self.block_tables.shape[0]
         keys = kc[self.block_tables].view(b, -1, heads, dim).transpose(1, 2)
         values = vc[self.block_tables].view(b, -1, heads, dim).transpose(1, 2)

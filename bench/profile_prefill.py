@@ -1,0 +1,97 @@
+"""Where the offline benchmark's prefill steps spend their time, and the packed flash attention against the
+padded masked SDPA it replaces, on the GPU (Qwen2.5-7B shapes, random bf16 weights).
+
+For each attention form (dark.engine.attention.VARLEN_ATTENTION on, then off) in one process: the offline run of
+run_all.py (256 requests, prompt and output lengths uniform in 100..1024; output tok/s, prefill and decode
+seconds), then one profiled batch of 16 prompts (one output token each) whose GPU kernels are listed by time.
+
+    PYTHONPATH=$PWD python bench/profile_prefill.py --tokenizer .data/tok --out /tmp/prefill.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_decode import QWEN25_7B, StepClock, build_folder, prompts_ids  # noqa: E402
+from run_all import run_requests  # noqa: E402
+
+
+def profiled_prefill(llm, reqs) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    try:  # the engine runs on its own thread
+        from torch._C._profiler import _ExperimentalConfig
+
+        kw = {"experimental_config": _ExperimentalConfig(profile_all_threads=True)}
+    except (ImportError, TypeError):
+        kw = {}
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], **kw) as prof:
+        secs, _ = run_requests(llm, reqs)
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_time_total > 0 and "CUDA" in str(getattr(e, "device_type", ""))]
+    total = sum(e.device_time_total for e in kernels) / 1000
+    top = sorted(kernels, key=lambda e: -e.device_time_total)[:25]
+    return {"wall_s": round(secs, 3), "gpu_kernel_ms": round(total, 1),
+            "top_kernels_ms": [(e.key[:100], e.count, round(e.device_time_total / 1000, 2)) for e in top]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokenizer", type=Path, default=Path(".data/tok"))
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--forms", nargs="+", default=["varlen", "padded"])
+    a = ap.parse_args()
+    import dark.engine.attention as attention
+    from dark import OnlineLLM
+
+    dev = torch.device("cuda")
+    tmp = Path(tempfile.mkdtemp(prefix="dark-prefill-", dir="/dev/shm"))
+    build_folder(QWEN25_7B, a.tokenizer.resolve(), tmp / "model", dev)
+    llm = OnlineLLM(str(tmp / "model"), data_dir=tmp / "data", device="cuda", dtype="bfloat16",
+                    num_kv_blocks=(a.requests * 2 * 1024) // 16 + 1024, max_num_seqs=a.requests,
+                    max_num_batched_tokens=8192, max_adapter_slots=4, max_lora_rank=16)
+    clock = StepClock(llm.engine.runner)
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "forms": {}}
+    try:
+        rng = random.Random(0)
+        reqs = [(prompts_ids(1, rng.randint(100, 1024), 1000 + i)[0], rng.randint(100, 1024), None)
+                for i in range(a.requests)]
+        warm = [(prompts_ids(1, 32, 5000 + i)[0], 1 + i // 8, None) for i in range(a.requests)]
+        prof_rng = random.Random(1)
+        prof_reqs = [(prompts_ids(1, prof_rng.randint(100, 1024), 9000 + i)[0], 1, None) for i in range(16)]
+        for form in a.forms:
+            attention.VARLEN_ATTENTION = form == "varlen"
+            run_requests(llm, warm)
+            run_requests(llm, prof_reqs)
+            clock.clear()
+            secs, produced = run_requests(llm, reqs)
+            r = {"offline_tok_s": round(produced / secs, 1), "seconds": round(secs, 2), "steps": clock.summary()}
+            clock.clear()
+            r["profile_16_prompts"] = profiled_prefill(llm, prof_reqs)
+            r["profile_steps"] = clock.summary()
+            report["forms"][form] = r
+            print(form, json.dumps({k: v for k, v in r.items() if k != "profile_16_prompts"}), flush=True)
+            for row in r["profile_16_prompts"]["top_kernels_ms"][:15]:
+                print("   ", row, flush=True)
+    finally:
+        llm.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
