@@ -3,7 +3,9 @@ padded masked SDPA it replaces, on the GPU (Qwen2.5-7B shapes, random bf16 weigh
 
 For each attention form (dark.engine.attention.VARLEN_ATTENTION on, then off) in one process: the offline run of
 run_all.py (256 requests, prompt and output lengths uniform in 100..1024; output tok/s, prefill and decode
-seconds), then one profiled batch of 16 prompts (one output token each) whose GPU kernels are listed by time.
+seconds, the runner's steps launched ahead), then one profiled batch of 16 prompts (one output token each) whose GPU
+kernels are listed by time. Each form gets prompts of its own (the engine's prefix cache would serve repeats). Last,
+with the packed form: GPU kernel time against wall time per decode step of 256 sequences (bench_decode.profile_ours).
 
     PYTHONPATH=$PWD python bench/profile_prefill.py --tokenizer .data/tok --out /tmp/prefill.json
 """
@@ -23,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_decode import QWEN25_7B, StepClock, build_folder, prompts_ids  # noqa: E402
+from bench_decode import QWEN25_7B, StepClock, build_folder, profile_ours, prompts_ids  # noqa: E402
 from run_all import run_requests  # noqa: E402
 
 
@@ -66,19 +68,23 @@ def main() -> None:
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "forms": {}}
     try:
-        rng = random.Random(0)
-        reqs = [(prompts_ids(1, rng.randint(100, 1024), 1000 + i)[0], rng.randint(100, 1024), None)
-                for i in range(a.requests)]
-        warm = [(prompts_ids(1, 32, 5000 + i)[0], 1 + i // 8, None) for i in range(a.requests)]
-        prof_rng = random.Random(1)
-        prof_reqs = [(prompts_ids(1, prof_rng.randint(100, 1024), 9000 + i)[0], 1, None) for i in range(16)]
-        for form in a.forms:
+        runner = llm.engine.runner
+        for n, form in enumerate(a.forms):
             attention.VARLEN_ATTENTION = form == "varlen"
+            seed = 100_000 * (n + 1)
+            rng = random.Random(0)  # the same lengths for every form
+            reqs = [(prompts_ids(1, rng.randint(100, 1024), seed + i)[0], rng.randint(100, 1024), None)
+                    for i in range(a.requests)]
+            warm = [(prompts_ids(1, 32, seed + 5000 + i)[0], 1 + i // 8, None) for i in range(a.requests)]
+            prof_rng = random.Random(1)
+            prof_reqs = [(prompts_ids(1, prof_rng.randint(100, 1024), seed + 9000 + i)[0], 1, None) for i in range(16)]
             run_requests(llm, warm)
-            run_requests(llm, prof_reqs)
             clock.clear()
+            counts = (runner.fast_steps, runner.ahead_launched, runner.ahead_used)
             secs, produced = run_requests(llm, reqs)
-            r = {"offline_tok_s": round(produced / secs, 1), "seconds": round(secs, 2), "steps": clock.summary()}
+            fast, launched, used = (x - y for x, y in zip((runner.fast_steps, runner.ahead_launched, runner.ahead_used), counts))
+            r = {"offline_tok_s": round(produced / secs, 1), "seconds": round(secs, 2), "steps": clock.summary(),
+                 "decode_steps_fast": fast, "ahead_launched": launched, "ahead_used": used}
             clock.clear()
             r["profile_16_prompts"] = profiled_prefill(llm, prof_reqs)
             r["profile_steps"] = clock.summary()
@@ -86,6 +92,11 @@ def main() -> None:
             print(form, json.dumps({k: v for k, v in r.items() if k != "profile_16_prompts"}), flush=True)
             for row in r["profile_16_prompts"]["top_kernels_ms"][:15]:
                 print("   ", row, flush=True)
+        attention.VARLEN_ATTENTION = True
+        prof = profile_ours(llm, clock, 512, 12, dev, batch=256)
+        report["decode_256"] = prof
+        print("decode 256:", json.dumps({k: v for k, v in prof.items() if not k.startswith("table")}), flush=True)
+        print(prof["table_by_gpu"], flush=True)
     finally:
         llm.close()
         shutil.rmtree(tmp, ignore_errors=True)
