@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_decode import QWEN25_7B, StepClock, build_folder, profile_ours, prompts_ids  # noqa: E402
-from run_all import run_requests  # noqa: E402
+from run_all import run_requests, warm_requests  # noqa: E402
 
 
 def profiled_prefill(llm, reqs) -> dict:
@@ -75,7 +75,7 @@ def main() -> None:
             rng = random.Random(0)  # the same lengths for every form
             reqs = [(prompts_ids(1, rng.randint(100, 1024), seed + i)[0], rng.randint(100, 1024), None)
                     for i in range(a.requests)]
-            warm = [(prompts_ids(1, 32, seed + 5000 + i)[0], 1 + i // 8, None) for i in range(a.requests)]
+            warm = warm_requests(a.requests, seed + 5000)
             prof_rng = random.Random(1)
             prof_reqs = [(prompts_ids(1, prof_rng.randint(100, 1024), seed + 9000 + i)[0], 1, None) for i in range(16)]
             run_requests(llm, warm)

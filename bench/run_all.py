@@ -91,6 +91,14 @@ def run_requests(llm, requests: list[tuple[list[int], int, object]], timeout: fl
     return time.perf_counter() - t0, produced[0]
 
 
+def warm_requests(n: int, seed: int) -> list[tuple[list[int], int, None]]:
+    """n short requests whose batch shrinks through every graph bucket from n down to 1 as they finish (eight end
+    at each length, the last eight one by one): a measured run after them captures no decode graph."""
+    lengths = [1 + i // 8 for i in range(max(n - 8, 0))]
+    lengths += [lengths[-1] + 1 + j if lengths else 1 + j for j in range(n - len(lengths))]
+    return [(prompts_ids(1, 32, seed + i)[0], k, None) for i, k in enumerate(lengths)]
+
+
 def decode_step_ms(clock: StepClock, batch: int) -> float:
     """Median wall time between consecutive steps in which every one of `batch` sequences decoded."""
     steps = [s for s in clock.steps if s[2] == batch]
@@ -257,8 +265,7 @@ def dark_parts(run: Run, llm) -> None:
         rng = random.Random(0)
         lo, hi = a.offline_range
         reqs = [(prompts_ids(1, rng.randint(lo, hi), 1000 + i)[0], rng.randint(lo, hi), None) for i in range(a.offline_requests)]
-        # warm-up: the batch shrinks through every graph bucket once
-        run_requests(llm, [(prompts_ids(1, 32, 5000 + i)[0], 1 + i // 8, None) for i in range(a.offline_requests)])
+        run_requests(llm, warm_requests(a.offline_requests, 5000))
         clock.clear()
         secs, produced = run_requests(llm, reqs)
         run.fig("offline_tok_s", round(produced / secs, 1))

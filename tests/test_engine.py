@@ -84,14 +84,16 @@ def test_greedy_ragged_batch_matches_hf(family_pair):
 
 def check_decode_ahead(llm: OnlineLLM, mode: str, steps: int = 21, prompts: list[str] = PROMPTS) -> None:
     """Decode steps launched ahead (runner.lookahead = mode) against steps launched one after the other: the same
-    tokens and log-probabilities on a ragged batch (sequences joining, crossing cache blocks, ending) and on one
-    sequence alone; and most steps taken ahead (not those after a join, or at a sequence's last tokens)."""
+    tokens and log-probabilities on a ragged batch (sequences joining, crossing cache blocks, ending: the step after
+    an end is launched ahead without the ended ones) and on one sequence alone; and most steps taken ahead (not
+    those after a join)."""
     runner = llm.engine.runner
     runner.lookahead = mode
-    used, launched = runner.ahead_used, runner.ahead_launched
+    used, launched, narrowed = runner.ahead_used, runner.ahead_launched, runner.ahead_narrowed
     ahead = run_ragged(llm, prompts, steps=steps, join_after=3)
     alone = llm.generate(PROMPTS[0], max_tokens=steps + 9, logprobs=True)
     used, launched = runner.ahead_used - used, runner.ahead_launched - launched
+    narrowed = runner.ahead_narrowed - narrowed
     runner.lookahead = "never"
     try:
         one_by_one = run_ragged(llm, prompts, steps=steps, join_after=3)
@@ -104,6 +106,8 @@ def check_decode_ahead(llm: OnlineLLM, mode: str, steps: int = 21, prompts: list
     # the ragged batch decodes ~steps + 3 * 3 steps, the lone sequence steps + 8; a few are not launched ahead
     assert used > steps + (steps + 9) // 2, (used, launched)
     assert launched - used <= 2 * len(prompts) + 2, (used, launched)  # thrown away: after a join or at the end
+    # the first sequences end 3 steps before those that joined: the step after goes on without them
+    assert narrowed >= 1, (used, launched, narrowed)
 
 
 def test_decode_steps_launched_ahead_on_the_fast_path(tiny_models):

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # rows of the decode input buffer: token id, position, cache slot, context length, adapter slot
-_IDS, _POS, _SLOT, _CTX, _LORA = range(5)
+_IDS, _POS, _SLOT, _CTX, _LORA, _PREV = range(6)  # _PREV: the row of the step before (launched ahead)
 
 
 class ModelRunner:
@@ -43,6 +43,7 @@ class ModelRunner:
         # latency, for nothing), "always", or "never" (DARK_DECODE_AHEAD=0)
         self.lookahead = "never" if os.environ.get("DARK_DECODE_AHEAD", "1") == "0" else "graphs"
         self.ahead_launched = self.ahead_used = 0  # decode steps launched early, and those the engine then took
+        self.ahead_narrowed = 0  # of those launched, the ones without the sequences that the step before ended
         self.set_fast(kernel_module().available(self.device))
 
     def set_fast(self, on: bool, graphs: bool | None = None) -> None:
@@ -121,7 +122,7 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         self._host = [_HostSide(rows, width, pin) for _ in range(2)]
         self._turn = 0
-        self._meta_dev = torch.zeros(5, rows, dtype=torch.int64, device=self.device)
+        self._meta_dev = torch.zeros(6, rows, dtype=torch.int64, device=self.device)
         self._bt_dev = torch.zeros(rows, width, dtype=torch.int32, device=self.device)
         # in the model's dtype, as the LM head makes them; the sampled rows widen to fp32 when they are read
         self._logits = torch.empty(rows, self.model.config.vocab_size, dtype=self.model.lm_head.weight.dtype,
@@ -154,25 +155,33 @@ class ModelRunner:
         else:
             step = self._launch(seqs, 0, None)
         go = self.lookahead == "always" or (self.lookahead == "graphs" and self.use_graphs)
-        if ahead and go and self._can_go_on(seqs):
-            self._ahead = self._launch(seqs, 1, step)
+        rows = self._going_on(seqs) if ahead and go else None
+        if rows:
+            self._ahead = self._launch([seqs[i] for i in rows], 1, step, None if len(rows) == len(seqs) else rows)
             self.ahead_launched += 1
+            self.ahead_narrowed += len(rows) < len(seqs)
         return step.collect()
 
-    def _can_go_on(self, seqs: list[Sequence]) -> bool:
-        """Whether each sequence's next step can be launched before its token is known: the cache block of the
-        next position is already allocated, the token it samples would not end the sequence by length anyway,
-        and no sampling is seeded (a step thrown away would use up a seeded generator's draw)."""
+    def _going_on(self, seqs: list[Sequence]) -> list[int] | None:
+        """The rows whose next step can be launched before their tokens are known, or None when none should be:
+        a sequence whose token now ends it by length is left out of the next step (the others go on without it);
+        any other sequence needs the cache block of its next position already allocated, and no seeded sampling
+        (a step thrown away would use up a seeded generator's draw)."""
         bs = self.cache.block_size
-        for seq in seqs:
+        rows = []
+        for i, seq in enumerate(seqs):
             nxt = seq.num_computed + 1
-            if nxt // bs >= len(seq.block_table) or nxt + 1 >= seq.max_len or seq.params.seed is not None:
-                return False
-        return True
+            if nxt + 1 >= seq.max_len:
+                continue
+            if nxt // bs >= len(seq.block_table) or seq.params.seed is not None:
+                return None
+            rows.append(i)
+        return rows
 
-    def _launch(self, seqs: list[Sequence], on: int, prev: "_Step | None") -> "_Step":
+    def _launch(self, seqs: list[Sequence], on: int, prev: "_Step | None", prev_rows: list[int] | None = None) -> "_Step":
         """Queue one decode step of `seqs` at their positions `num_computed + on` (on = 1: the step after
-        `prev`, whose sampled tokens, still on the device, are its inputs) and the sampling after it."""
+        `prev`, whose sampled tokens, still on the device, are its inputs: row prev_rows[i] of them for seqs[i],
+        or row i when prev_rows is None) and the sampling after it."""
         bs = self.cache.block_size
         b = len(seqs)
         rows = next((g for g in GRAPH_BUCKETS if g >= b), b) if self.use_graphs else b
@@ -199,11 +208,15 @@ class ModelRunner:
                 bt[i, :len(table)] = table
                 written[i] = (table, len(table))
         width = max(len(seq.block_table) for seq in seqs)
+        if prev_rows is not None:
+            meta[_PREV, :b] = prev_rows
         self._meta_dev[:, :rows].copy_(host.meta[:, :rows], non_blocking=True)
         self._bt_dev[:rows, :width].copy_(host.bt[:rows, :width], non_blocking=True)
         host.copied()
-        if prev is not None:
+        if prev is not None and prev_rows is None:
             self._meta_dev[_IDS, :b].copy_(prev.tokens)
+        elif prev is not None:  # through the pinned copy: a list made into an index would wait for the device
+            torch.index_select(prev.tokens, 0, self._meta_dev[_PREV, :b], out=self._meta_dev[_IDS, :b])
         with_lora = any(seq.slot >= 0 for seq in seqs)
         if rows in GRAPH_BUCKETS and self.use_graphs:
             logits = self._replay(rows, with_lora)
@@ -237,7 +250,7 @@ class _HostSide:
     """One set of pinned host buffers for the decode inputs, and an event after their last copy to the device."""
 
     def __init__(self, rows: int, width: int, pin: bool):
-        self.meta = torch.zeros(5, rows, dtype=torch.int64, pin_memory=pin)
+        self.meta = torch.zeros(6, rows, dtype=torch.int64, pin_memory=pin)
         self.bt = torch.zeros(rows, width, dtype=torch.int32, pin_memory=pin)
         self.bt_rows: list = [None] * rows  # per row: (block table list, its length) last written there
         self.tokens = torch.zeros(rows, dtype=torch.int64, pin_memory=pin)  # a step's sampled tokens, read back

@@ -42,9 +42,15 @@ def _choose(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
         sub = sub.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = sub.softmax(-1)
+    free = [j for j, i in enumerate(rows) if seqs[i].params.seed is None]
+    if free:  # the unseeded rows in one draw, not a launch or more per row
+        at = idx if len(free) == len(rows) else idx[free]
+        out[at] = torch.multinomial(probs if len(free) == len(rows) else probs[free], 1)[:, 0]
     for j, i in enumerate(rows):
         seq = seqs[i]
-        if seq.params.seed is not None and seq.generator is None:
+        if seq.params.seed is None:
+            continue
+        if seq.generator is None:
             seq.generator = torch.Generator(device=logits.device).manual_seed(seq.params.seed)
         out[i] = torch.multinomial(probs[j], 1, generator=seq.generator)[0]
     return out
