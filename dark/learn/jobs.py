@@ -321,9 +321,12 @@ class Learner:
                       "train_seconds": round(result.seconds, 3),
                       "examples": len(mine)}
             self.publish(name, version, result.weights, parent, report, marks)
-            # the moments stay in memory for this adapter's next job (same thread), and go to disk after the
-            # version is out: a crash in between costs a fresh optimizer state, never a version
-            generation = self._keep_optimizer(name, result.optimizer_state)
+            # the moments leave the device after the version is out, stay in memory for this adapter's next job
+            # (same thread), and go to disk after that: a crash in between costs a fresh optimizer state, never
+            # a version
+            state = self.trainer.optimizer_state_to_host(result.optimizer_state)
+            marks["moments_to_host"] = time.perf_counter()
+            generation = self._keep_optimizer(name, state)
             # seconds from the job's start: items built, training done (first step after "prepared" + steps_at[0]),
             # version saved, version served
             report["timings"] = {k: round(v - started, 3) for k, v in marks.items()} | {"steps_at": steps_at} | \
@@ -332,7 +335,7 @@ class Learner:
             job.report = report
             job._emit(state="done", version=version, verified=result.verified, report=report)
             # on the writer thread: the next job (a second correction right after this one) starts at once
-            self._last_write = self._writer.submit(self._save_optimizer, name, result.optimizer_state, generation)
+            self._last_write = self._writer.submit(self._save_optimizer, name, state, generation)
         except Exception as e:
             log.exception("learn job %s failed", job.id)
             job.error = f"{type(e).__name__}: {e}"

@@ -543,13 +543,20 @@ class Trainer:
         marks["trained"] = time.perf_counter()
         host = iter(to_host([t.detach() for k in keys for t in params[k]], self._staging))
         out = AdapterWeights(weights.config, {k: (next(host), next(host)) for k in keys}, weights.scaling)
-        state = opt.state_dict()  # kept in host memory between jobs: device memory is for serving
-        state["state"] = _state_to_host(state["state"], self._staging)
         marks["copied"] = time.perf_counter()
+        # on the device still: the job publishes the version first, then moves them (optimizer_state_to_host)
+        state = opt.state_dict()
         timings = {"setup": marks["prepared"] - marks["start"], "steps": marks["trained"] - marks["prepared"],
                    "to_host": marks["copied"] - marks["trained"]}
         return TrainResult(out, state, step, losses, verified, anchors_kept=kept,
                            timings={k: round(v, 3) for k, v in timings.items()})
+
+    def optimizer_state_to_host(self, state: dict) -> dict:
+        """A TrainResult's optimizer state (AdamW's moments, on the device as training left them) in host memory,
+        where it stays between jobs: device memory is for serving."""
+        ctx = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+        with ctx:
+            return {**state, "state": _state_to_host(state["state"], self._staging)}
 
     @contextmanager
     def _step_stream(self):

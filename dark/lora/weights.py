@@ -59,8 +59,9 @@ class AdapterWeights:
             for (layer, module), (a, b) in self.tensors.items():
                 prefix = "base_model.model." + (
                     "lm_head" if module == "lm_head" else f"model.layers.{layer}.{_block(module)}.{module}")
-                state[f"{prefix}.lora_A.weight"] = a.detach().float().contiguous().cpu()
-                state[f"{prefix}.lora_B.weight"] = b.detach().float().contiguous().cpu()
+                # in the precision they were trained in (bf16 on a GPU): float32 would only double the bytes
+                state[f"{prefix}.lora_A.weight"] = _stored(a)
+                state[f"{prefix}.lora_B.weight"] = _stored(b)
             save_file(state, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
             cfg = {
                 "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
@@ -107,6 +108,11 @@ class AdapterWeights:
         targets = sorted({module for _, module in pairs})
         config = LoraConfig(r=r, alpha=alpha, target_modules=tuple(targets)).validate()
         return cls(config, {k: (v["A"], v["B"]) for k, v in pairs.items()}, scaling)
+
+
+def _stored(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return (t if t.dtype in (torch.float32, torch.bfloat16, torch.float16) else t.float()).contiguous().cpu()
 
 
 def _block(module: str) -> str:
