@@ -118,11 +118,39 @@ if triton is not None:
         tl.store(vc_ptr + dst, tl.load(v_ptr + t * stride_v + w, mask=m), mask=m)
 
     @triton.jit
+    def _attend_tile(q, kc_ptr, vc_ptr, bt_ptr, b, kvh, n0, end, acc, m_i, l_i, stride_cb, stride_cs, stride_ch,
+                     stride_bt, qk_scale, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     DOT_F32: tl.constexpr):
+        # one tile of BLOCK_N keys and values (through the block table) into the online softmax of a GQA group
+        d = tl.arange(0, D)
+        offs = n0 + tl.arange(0, BLOCK_N)
+        nm = offs < end
+        page = tl.load(bt_ptr + b * stride_bt + offs // BS, mask=nm, other=0).to(tl.int64)
+        addr = page[:, None] * stride_cb + (offs % BS)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
+        k = tl.load(kc_ptr + addr, mask=nm[:, None], other=0.0)
+        v = tl.load(vc_ptr + addr, mask=nm[:, None], other=0.0)
+        if DOT_F32:  # fp32 caches (exact, not tf32), and the interpreter, whose dot misreads bf16 operands
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * qk_scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(nm[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_F32:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        return acc, m_new, l_i
+
+    @triton.jit
     def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr,
                              stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, qk_scale,
                              G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                              BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
-                             PDL: tl.constexpr):
+                             LOOP_FOR: tl.constexpr, PDL: tl.constexpr):
         wait_prior(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -140,30 +168,16 @@ if triton is not None:
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
-        n0 = start
-        while n0 < end:  # a while loop: the interpreter cannot take tensor bounds in range()
-            offs = n0 + tl.arange(0, BLOCK_N)
-            nm = offs < end
-            page = tl.load(bt_ptr + b * stride_bt + offs // BS, mask=nm, other=0).to(tl.int64)
-            addr = page[:, None] * stride_cb + (offs % BS)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
-            k = tl.load(kc_ptr + addr, mask=nm[:, None], other=0.0)
-            v = tl.load(vc_ptr + addr, mask=nm[:, None], other=0.0)
-            if DOT_F32:  # fp32 caches (exact, not tf32), and the interpreter, whose dot misreads bf16 operands
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * qk_scale
-            else:
-                s = tl.dot(q, tl.trans(k)) * qk_scale
-            s = tl.where(nm[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if DOT_F32:
-                pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
-            n0 += BLOCK_N
+        if LOOP_FOR:  # compiled: a for loop, which Triton pipelines (the loads of the next tile in flight)
+            for n0 in tl.range(start, end, BLOCK_N):
+                acc, m_i, l_i = _attend_tile(q, kc_ptr, vc_ptr, bt_ptr, b, kvh, n0, end, acc, m_i, l_i, stride_cb,
+                                             stride_cs, stride_ch, stride_bt, qk_scale, D, BS, BLOCK_N, DOT_F32)
+        else:  # the interpreter cannot take tensor bounds in range()
+            n0 = start
+            while n0 < end:
+                acc, m_i, l_i = _attend_tile(q, kc_ptr, vc_ptr, bt_ptr, b, kvh, n0, end, acc, m_i, l_i, stride_cb,
+                                             stride_cs, stride_ch, stride_bt, qk_scale, D, BS, BLOCK_N, DOT_F32)
+                n0 += BLOCK_N
         row = (b * H + heads) * SPLITS + sp
         tl.store(m_ptr + row, m_i, mask=gm)
         tl.store(l_ptr + row, l_i, mask=gm)
@@ -229,8 +243,9 @@ def qkv_rotary_store(y, nh, nkv, d, cos, sin, k_cache, v_cache, slot_mapping):
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, splits: int | None = None,
-                 block_n: int = 64):
-    """q [B, H, D] -> [B, H, D]; caches [blocks, block_size, KVH, D]; block_tables [B, W] int; ctx_lens [B]."""
+                 block_n: int = 64, num_warps: int = 4, num_stages: int | None = None):
+    """q [B, H, D] -> [B, H, D]; caches [blocks, block_size, KVH, D]; block_tables [B, W] int; ctx_lens [B].
+    num_stages: tiles of keys and values in flight at once (a pipelined loop); None: one at a time."""
     B, H, D = q.shape
     _, bs, kvh, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and q.stride(2) == 1
@@ -244,7 +259,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, splits: int
         q, k_cache, v_cache, block_tables, ctx_lens, part_m, part_l, part_acc,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         scale * LOG2E, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BS=bs, BLOCK_N=block_n, SPLITS=splits,
-        DOT_F32=_INTERPRETING or k_cache.dtype == torch.float32, num_warps=4, **pdl(q.device))
+        DOT_F32=_INTERPRETING or k_cache.dtype == torch.float32, LOOP_FOR=num_stages is not None and not _INTERPRETING,
+        num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}), **pdl(q.device))
     _merge_kernel[(B, H)](part_m, part_l, part_acc, out, out.stride(0), out.stride(1), D=D, SPLITS=splits,
                           SP=triton.next_power_of_2(splits), **pdl(q.device))
     return out

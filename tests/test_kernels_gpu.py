@@ -27,8 +27,9 @@ def rel_err(out, ref) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12)).item()
 
 
+@pytest.mark.parametrize("stages", [None, 2, 3])
 @pytest.mark.parametrize("batch,max_ctx", [(1, 384), (1, 8192), (32, 2048)])
-def test_paged_decode_qwen_shapes(batch, max_ctx):
+def test_paged_decode_qwen_shapes(batch, max_ctx, stages):
     from dark.kernels.paged_attention import paged_decode, paged_decode_reference
 
     heads, kvh, d, bs = 28, 4, 128, 16
@@ -41,7 +42,7 @@ def test_paged_decode_qwen_shapes(batch, max_ctx):
     ctx = torch.randint(1, max_ctx + 1, (batch,), device="cuda", generator=g)
     ctx[0] = max_ctx
     q = torch.randn(batch, heads, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    out = paged_decode(q, kc, vc, tables, ctx, d ** -0.5)
+    out = paged_decode(q, kc, vc, tables, ctx, d ** -0.5, num_stages=stages)
     ref = paged_decode_reference(q, kc, vc, tables, ctx, d ** -0.5)
     assert rel_err(out, ref) < BF16_TOL
 

@@ -1,0 +1,193 @@
+"""Where the offline benchmark's decode steps spend their GPU time (Qwen2.5-7B shapes, random bf16 weights).
+
+Three parts, in one process on the GPU:
+  attention   paged_decode alone at 256 and 128 sequences of ~1,100 tokens: ms and the GB/s of keys and values
+              read, for a few tile sizes and warp counts (the default first)
+  steady      decode steps of B sequences (B = 256, 128, 64) whose contexts are ~1,000 tokens: GPU kernel time
+              per step by kernel, against the wall time per step (CUDA graphs, steps launched ahead: as served)
+  offline     run_all's offline run (256 requests, lengths uniform in 100..1024): the steps per graph bucket,
+              how many rows each bucket padded, and the host's time per step outside the runner
+
+    PYTHONPATH=$PWD python bench/profile_offline.py --tokenizer .data/tok --out /tmp/offline.json
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import random
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_decode import QWEN25_7B, StepClock, build_folder, prompts_ids  # noqa: E402
+from run_all import run_requests, warm_requests  # noqa: E402
+
+
+def attention_micro(dev) -> list[dict]:
+    from triton.testing import do_bench
+
+    from dark.models.decoder import kernel_module
+
+    kernel_module()  # dark.kernels, from the checkout
+    from dark.kernels.paged_attention import paged_decode
+
+    out = []
+    bs, kvh, d, h = 16, 4, 128, 28
+    for batch, ctx in ((256, 1100), (128, 1100), (64, 1100)):
+        blocks = batch * (-(-ctx // bs))
+        kc = torch.randn(blocks, bs, kvh, d, device=dev, dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        bt = torch.randperm(blocks, device=dev, dtype=torch.int32).view(batch, -1)
+        lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
+        q = torch.randn(batch, h, d, device=dev, dtype=torch.bfloat16)
+        gb = 2 * batch * ctx * kvh * d * 2 / 1e9
+        for block_n, warps, stages in ((64, 4, None), (64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 8, 2), (64, 8, 3)):
+            try:
+                ms = do_bench(lambda: paged_decode(q, kc, vc, bt, lens, 0.088, block_n=block_n, num_warps=warps,
+                                                   num_stages=stages), warmup=10, rep=50)
+            except Exception as e:  # a tile that does not fit: say so and go on
+                out.append({"batch": batch, "ctx": ctx, "block_n": block_n, "warps": warps, "stages": stages,
+                            "error": repr(e)[:200]})
+                continue
+            out.append({"batch": batch, "ctx": ctx, "block_n": block_n, "warps": warps, "stages": stages,
+                        "ms": round(ms, 4), "kv_gb_s": round(gb / ms * 1e3, 1)})
+            print("attention", out[-1], flush=True)
+        del kc, vc
+    return out
+
+
+def steady(llm, clock: StepClock, batch: int, ctx: int, steps: int) -> dict:
+    """Profile `steps` decode steps of `batch` sequences once all of them decode."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dark.engine.sequence import SamplingParams
+
+    done = threading.Event()
+    left = [batch]
+    lock = threading.Lock()
+
+    def on_output(out):
+        if out.finished:
+            with lock:
+                left[0] -= 1
+                if not left[0]:
+                    done.set()
+
+    clock.clear()
+    ids = [llm.engine.add_request(p, SamplingParams(max_tokens=4 * steps + 200, ignore_eos=True), None, on_output)
+           for p in prompts_ids(batch, ctx, 31 + batch)]
+    while not (len(clock.seqs) >= 3 and all(q == batch for q in clock.seqs[-3:])
+               and all(n == batch for _, _, n in clock.steps[-3:])):
+        time.sleep(0.01)
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+
+        kw = {"experimental_config": _ExperimentalConfig(profile_all_threads=True)}
+    except (ImportError, TypeError):
+        kw = {}
+    with profile(activities=[ProfilerActivity.CUDA], **kw) as prof:
+        first = len(clock.steps)
+        while len(clock.steps) < first + steps:
+            time.sleep(0.002)
+        last = len(clock.steps)
+    n = last - first
+    wall = (clock.steps[last - 1][1] - clock.steps[first - 1][1]) / n
+    for i in ids:
+        llm.engine.abort(i)
+    done.wait(60)
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in events) / 1000 / n
+    groups = collections.Counter()
+    for e in events:
+        k = e.key.lower()
+        g = ("attention" if "paged_decode" in k or "merge" in k else
+             "matmul" if any(s in k for s in ("gemm", "nvjet", "cutlass", "gemv", "sm90", "xmma")) else
+             "norm/rope/kv" if any(s in k for s in ("norm", "rotary", "store")) else "other")
+        groups[g] += e.device_time_total / 1000 / n
+    top = sorted(events, key=lambda e: -e.device_time_total)[:14]
+    r = {"batch": batch, "ctx": ctx, "steps": n, "wall_ms_per_step": round(1000 * wall, 3),
+         "gpu_ms_per_step": round(total, 3), "by_group_ms": {k: round(v, 3) for k, v in groups.items()},
+         "top_ms_per_step": [(e.key[:80], round(e.count / n, 1), round(e.device_time_total / 1000 / n, 4)) for e in top]}
+    print("steady", json.dumps(r), flush=True)
+    return r
+
+
+def offline(llm, clock: StepClock, n: int) -> dict:
+    from dark.engine.runner import GRAPH_BUCKETS
+
+    runner = llm.engine.runner
+    rng = random.Random(0)
+    reqs = [(prompts_ids(1, rng.randint(100, 1024), 1000 + i)[0], rng.randint(100, 1024), None) for i in range(n)]
+    run_requests(llm, warm_requests(n, 5000))
+    clock.clear()
+    before = (runner.ahead_launched, runner.ahead_used, runner.ahead_narrowed)
+    secs, produced = run_requests(llm, reqs)
+    after = (runner.ahead_launched, runner.ahead_used, runner.ahead_narrowed)
+    buckets = collections.Counter()
+    padded = collections.Counter()
+    dur = collections.defaultdict(float)
+    for (s, e, tok), q in zip(clock.steps, clock.seqs):
+        if tok != q:
+            continue
+        b = next(g for g in GRAPH_BUCKETS if g >= q)
+        buckets[b] += 1
+        padded[b] += b - q
+        dur[b] += e - s
+    gaps = [b[0] - a[1] for a, b in zip(clock.steps, clock.steps[1:])]
+    r = {"tok_s": round(produced / secs, 1), "seconds": round(secs, 2), "summary": clock.summary(),
+         "ahead": dict(zip(("launched", "used", "narrowed"), (y - x for x, y in zip(before, after)))),
+         "host_between_steps_s": round(sum(gaps), 3),
+         "host_between_steps_p50_ms": round(1000 * sorted(gaps)[len(gaps) // 2], 3),
+         "buckets": {b: {"steps": buckets[b], "padded_rows_mean": round(padded[b] / buckets[b], 1),
+                         "ms_mean": round(1000 * dur[b] / buckets[b], 2)} for b in sorted(buckets)}}
+    print("offline", json.dumps(r), flush=True)
+    return r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokenizer", type=Path, default=Path(".data/tok"))
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--parts", nargs="+", default=["attention", "steady", "offline"])
+    ap.add_argument("--requests", type=int, default=256)
+    a = ap.parse_args()
+    from dark import OnlineLLM
+
+    dev = torch.device("cuda")
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__}
+    try:
+        if "attention" in a.parts:
+            report["attention"] = attention_micro(dev)
+        if not {"steady", "offline"} & set(a.parts):
+            return
+        tmp = Path(tempfile.mkdtemp(prefix="dark-offline-", dir="/dev/shm"))
+        build_folder(QWEN25_7B, a.tokenizer.resolve(), tmp / "model", dev)
+        llm = OnlineLLM(str(tmp / "model"), data_dir=tmp / "data", device="cuda", dtype="bfloat16",
+                        num_kv_blocks=(a.requests * 2 * 1024) // 16 + 1024, max_num_seqs=a.requests,
+                        max_num_batched_tokens=8192, max_adapter_slots=4, max_lora_rank=16)
+        clock = StepClock(llm.engine.runner)
+        try:
+            if "offline" in a.parts:
+                report["offline"] = offline(llm, clock, a.requests)
+            if "steady" in a.parts:
+                report["steady"] = [steady(llm, clock, b, 1000, 30) for b in (256, 128, 64)]
+        finally:
+            llm.close()
+            shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
