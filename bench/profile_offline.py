@@ -38,11 +38,11 @@ def attention_micro(dev) -> list[dict]:
     from dark.models.decoder import kernel_module
 
     kernel_module()  # dark.kernels, from the checkout
-    from dark.kernels.paged_attention import paged_decode
+    from dark.kernels.paged_attention import default_splits, paged_decode
 
     out = []
     bs, kvh, d, h = 16, 4, 128, 28
-    for batch, ctx in ((256, 1100), (128, 1100), (64, 1100)):
+    for batch, ctx in ((256, 1100), (128, 1100), (64, 1100), (32, 1100), (8, 4000), (1, 4000)):
         blocks = batch * (-(-ctx // bs))
         kc = torch.randn(blocks, bs, kvh, d, device=dev, dtype=torch.bfloat16)
         vc = torch.randn_like(kc)
@@ -50,16 +50,18 @@ def attention_micro(dev) -> list[dict]:
         lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
         q = torch.randn(batch, h, d, device=dev, dtype=torch.bfloat16)
         gb = 2 * batch * ctx * kvh * d * 2 / 1e9
-        for block_n, warps, stages in ((64, 4, None), (64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 8, 2), (64, 8, 3)):
+        dflt = default_splits(batch, kvh)
+        configs = [(64, 4, None, dflt)] + [(64, 4, st, sp) for st in (3, 4) for sp in (1, 2, 4, 8, 16, 32)
+                                           if batch * kvh * sp <= 8192 and (sp >= dflt or batch >= 32)]
+        for block_n, warps, stages, splits in configs:
             try:
-                ms = do_bench(lambda: paged_decode(q, kc, vc, bt, lens, 0.088, block_n=block_n, num_warps=warps,
-                                                   num_stages=stages), warmup=10, rep=50)
+                ms = do_bench(lambda: paged_decode(q, kc, vc, bt, lens, 0.088, splits=splits, block_n=block_n,
+                                                   num_warps=warps, num_stages=stages), warmup=10, rep=40)
             except Exception as e:  # a tile that does not fit: say so and go on
-                out.append({"batch": batch, "ctx": ctx, "block_n": block_n, "warps": warps, "stages": stages,
-                            "error": repr(e)[:200]})
+                out.append({"batch": batch, "ctx": ctx, "stages": stages, "splits": splits, "error": repr(e)[:200]})
                 continue
             out.append({"batch": batch, "ctx": ctx, "block_n": block_n, "warps": warps, "stages": stages,
-                        "ms": round(ms, 4), "kv_gb_s": round(gb / ms * 1e3, 1)})
+                        "splits": splits, "us": round(1000 * ms, 1), "kv_gb_s": round(gb / ms * 1e3, 1)})
             print("attention", out[-1], flush=True)
         del kc, vc
     return out

@@ -2,7 +2,7 @@
 
 `paged_decode` splits each sequence's context into `splits` contiguous ranges (flash-decoding), one program
 per (sequence, KV head, range) that handles all query heads of its GQA group, then a second kernel merges the
-ranges. Nothing is gathered or padded; a sequence with context length 0 (a padded row of a CUDA-graph batch)
+ranges (with one range, the first kernel writes the output and there is no merge). Nothing is gathered or padded; a sequence with context length 0 (a padded row of a CUDA-graph batch)
 gets zeros. `store_kv` writes the step's keys and values into their cache slots, skipping slot -1.
 `qkv_rotary_store` takes the fused q/k/v projection output instead: it rotates q into a new tensor and k into the
 cache, and stores v, in one launch (a decode step's split, two rotary kernels and store_kv before).
@@ -146,8 +146,8 @@ if triton is not None:
         return acc, m_new, l_i
 
     @triton.jit
-    def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr,
-                             stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, qk_scale,
+    def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
+                             stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt, qk_scale,
                              G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                              BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
                              LOOP_FOR: tl.constexpr, PDL: tl.constexpr):
@@ -178,10 +178,15 @@ if triton is not None:
                 acc, m_i, l_i = _attend_tile(q, kc_ptr, vc_ptr, bt_ptr, b, kvh, n0, end, acc, m_i, l_i, stride_cb,
                                              stride_cs, stride_ch, stride_bt, qk_scale, D, BS, BLOCK_N, DOT_F32)
                 n0 += BLOCK_N
-        row = (b * H + heads) * SPLITS + sp
-        tl.store(m_ptr + row, m_i, mask=gm)
-        tl.store(l_ptr + row, l_i, mask=gm)
-        tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=gm[:, None])
+        if SPLITS == 1:  # the whole context in this program: the output itself, no merge
+            o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
+                     mask=gm[:, None])
+        else:
+            row = (b * H + heads) * SPLITS + sp
+            tl.store(m_ptr + row, m_i, mask=gm)
+            tl.store(l_ptr + row, l_i, mask=gm)
+            tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=gm[:, None])
 
     @triton.jit
     def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ot, stride_oh, D: tl.constexpr,
@@ -251,16 +256,20 @@ def paged_decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, splits: int
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and q.stride(2) == 1
     G = H // kvh
     splits = splits or default_splits(B, kvh)
-    part_m = torch.empty(B * H * splits, device=q.device, dtype=torch.float32)
-    part_l = torch.empty_like(part_m)
-    part_acc = torch.empty(B * H * splits, D, device=q.device, dtype=torch.float32)
     out = torch.empty_like(q)
+    # one range per sequence: the kernel writes the output (no partial results, no merge)
+    parts = B * H * splits if splits > 1 else 1
+    part_m = torch.empty(parts, device=q.device, dtype=torch.float32)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty(parts, D, device=q.device, dtype=torch.float32)
     _paged_decode_kernel[(B, kvh, splits)](
-        q, k_cache, v_cache, block_tables, ctx_lens, part_m, part_l, part_acc,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        q, k_cache, v_cache, block_tables, ctx_lens, part_m, part_l, part_acc, out,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         scale * LOG2E, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BS=bs, BLOCK_N=block_n, SPLITS=splits,
         DOT_F32=_INTERPRETING or k_cache.dtype == torch.float32, LOOP_FOR=num_stages is not None and not _INTERPRETING,
         num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}), **pdl(q.device))
+    if splits == 1:
+        return out
     _merge_kernel[(B, H)](part_m, part_l, part_acc, out, out.stride(0), out.stride(1), D=D, SPLITS=splits,
                           SP=triton.next_power_of_2(splits), **pdl(q.device))
     return out
