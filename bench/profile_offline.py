@@ -5,6 +5,7 @@ Three parts, in one process on the GPU:
               read, for a few tile sizes and warp counts (the default first)
   steady      decode steps of B sequences (B = 256, 128, 64) whose contexts are ~1,000 tokens: GPU kernel time
               per step by kernel, against the wall time per step (CUDA graphs, steps launched ahead: as served)
+  prefill     16 prompts (one output token each) under the profiler: the prefill steps' kernels
   offline     run_all's offline run (256 requests, lengths uniform in 100..1024): the steps per graph bucket,
               how many rows each bucket padded, and the host's time per step outside the runner
 
@@ -181,6 +182,16 @@ def main() -> None:
         try:
             if "offline" in a.parts:
                 report["offline"] = offline(llm, clock, a.requests)
+            clock.clear()
+            if "prefill" in a.parts:  # 16 prompts of 100..1024 tokens, one output token each: prefill steps alone
+                from profile_prefill import profiled_prefill
+
+                rng = random.Random(1)
+                prof = profiled_prefill(llm, [(prompts_ids(1, rng.randint(100, 1024), 77_000 + i)[0], 1, None)
+                                              for i in range(16)])
+                prof["steps"] = clock.summary()
+                report["prefill"] = prof
+                print("prefill", json.dumps(prof), flush=True)
             if "steady" in a.parts:
                 report["steady"] = [steady(llm, clock, b, 1000, 30) for b in (256, 128, 64)]
         finally:

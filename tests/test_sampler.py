@@ -42,3 +42,21 @@ def test_unseeded_rows_follow_their_distribution():
     assert set(first.tolist()) == {0, 1} and set(second.tolist()) == {0, 1, 2}
     assert abs((first == 0).float().mean().item() - 0.5) < 0.05
     assert abs((second == 2).float().mean().item() - 1 / 3) < 0.05
+
+
+def test_logits_in_the_models_dtype_choose_as_fp32_does():
+    """A decode step hands over bf16 logits: greedy rows pick the fp32 argmax, seeded rows draw the same token as
+    from fp32 (the rows widen before the temperature), and log-probabilities come back in fp32."""
+    from dark.engine.sampler import sample_on_device
+
+    torch.manual_seed(3)
+    logits = torch.randn(6, 300).to(torch.bfloat16)
+    seqs = [seq(), seq(logprobs=True), seq(temperature=0.7, seed=11), seq(temperature=1.3, seed=2, top_p=0.9),
+            seq(), seq(temperature=0.5, seed=4, top_k=5)]
+    ref_seqs = [seq(**{k: getattr(s.params, k) for k in ("temperature", "seed", "top_p", "top_k", "logprobs")})
+                for s in seqs]
+    tokens, logprobs = sample_on_device(logits, seqs)
+    ref_tokens, ref_logprobs = sample_on_device(logits.float(), ref_seqs)
+    assert tokens.tolist() == ref_tokens.tolist()
+    assert tokens[0] == logits[0].float().argmax() and tokens[4] == logits[4].float().argmax()
+    assert logprobs.dtype == torch.float32 and torch.equal(logprobs, ref_logprobs)

@@ -24,7 +24,9 @@ from .sequence import Sequence
 
 log = logging.getLogger(__name__)
 
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# above 128 rows a decode step's matmuls grow with every row (below, they take the weights' read time whatever the
+# rows), so the buckets there are 16 apart: a batch pads to at most 15 rows more
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160, 176, 192, 208, 224, 240, 256)
 # rows of the decode input buffer: token id, position, cache slot, context length, adapter slot
 _IDS, _POS, _SLOT, _CTX, _LORA, _PREV = range(6)  # _PREV: the row of the step before (launched ahead)
 
@@ -127,12 +129,15 @@ class ModelRunner:
         # in the model's dtype, as the LM head makes them; the sampled rows widen to fp32 when they are read
         self._logits = torch.empty(rows, self.model.config.vocab_size, dtype=self.model.lm_head.weight.dtype,
                                    device=self.device)
+        self._greedy = torch.zeros(rows, dtype=torch.int64, device=self.device)  # a greedy graph's tokens
         self._buffers_for = rows
 
-    def _forward_decode(self, rows: int, with_lora: bool) -> torch.Tensor:
+    def _forward_decode(self, rows: int, with_lora: bool, greedy: bool = False) -> torch.Tensor:
         """The captured region: logits [rows, vocab] from the decode buffers' first `rows` entries, written into
         the first rows of one buffer that every graph shares (a graph's own output would stay allocated for as
-        long as the graph lives: ~0.5 GB over the batch-size buckets of a 152k vocabulary)."""
+        long as the graph lives: ~0.5 GB over the batch-size buckets of a 152k vocabulary). greedy: the step's
+        tokens too, each row's argmax into the shared token buffer (no fp32 copy of the logits, no launches
+        after the graph)."""
         meta = self._meta_dev[:, :rows]
         attn = PagedDecodeAttention(self.cache, meta[_SLOT], self._bt_dev[:rows], meta[_CTX])
         lora = SlotLoRA.with_kernels(self.slots, meta[_LORA]) if with_lora else None
@@ -140,6 +145,8 @@ class ModelRunner:
             hidden = self.model.hidden_states(meta[_IDS], meta[_POS], attn, lora)
             out = self._logits[:rows]
             out.copy_(self.model.lm_head(hidden, lora))
+            if greedy:
+                torch.argmax(out, dim=-1, out=self._greedy[:rows])
         return out
 
     def _run_decode(self, batch: list[tuple[Sequence, int]], ahead: bool) -> dict[int, tuple[int, float | None]]:
@@ -219,27 +226,32 @@ class ModelRunner:
             torch.index_select(prev.tokens, 0, self._meta_dev[_PREV, :b], out=self._meta_dev[_IDS, :b])
         with_lora = any(seq.slot >= 0 for seq in seqs)
         if rows in GRAPH_BUCKETS and self.use_graphs:
-            logits = self._replay(rows, with_lora)
+            # greedy rows only, no log-probabilities: the graph picks the tokens itself
+            greedy = all(seq.params.temperature == 0 and not seq.params.logprobs for seq in seqs)
+            logits = self._replay(rows, with_lora, greedy)
+            if greedy:
+                return _Step(seqs, pos, self.slots.version, self._greedy[:b], None, host)
         else:
             logits = self._forward_decode(rows, with_lora)
-        tokens, logprobs = sample_on_device(logits[:b].float(), seqs)
+        tokens, logprobs = sample_on_device(logits[:b], seqs)
         return _Step(seqs, pos, self.slots.version, tokens, logprobs, host)
 
-    def _replay(self, rows: int, with_lora: bool) -> torch.Tensor:
-        key = (rows, with_lora) + ((self.slots.version, self.slots.kernel_rank()) if with_lora else ())
+    def _replay(self, rows: int, with_lora: bool, greedy: bool) -> torch.Tensor:
+        key = (rows, with_lora, greedy) + ((self.slots.version, self.slots.kernel_rank()) if with_lora else ())
         entry = self._graphs.get(key)
         if entry is None:
             # warm-up outside the graph (Triton compiles, cuBLAS picks its kernels); it stores the same keys
             # and values that the replay below stores again
-            self._forward_decode(rows, with_lora)
+            self._forward_decode(rows, with_lora, greedy)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             # thread_local: a training thread may allocate on its own stream meanwhile
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                out = self._forward_decode(rows, with_lora)
+                out = self._forward_decode(rows, with_lora, greedy)
             entry = self._graphs[key] = (graph, out)
-            log.info("captured the decode step for %d sequences%s", rows, " with adapters" if with_lora else "")
+            log.info("captured the decode step for %d sequences%s%s", rows, " with adapters" if with_lora else "",
+                     ", greedy" if greedy else "")
         graph, out = entry
         self._replay_stream = torch.cuda.current_stream(self.device)
         graph.replay()

@@ -14,11 +14,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
 
 def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """sample() without waiting for the device: token ids [batch] (int64) and their log-probabilities [batch]
-    (fp32, None unless a sequence asked) as tensors on logits' device, queued behind the step that made logits."""
+    (fp32, None unless a sequence asked) as tensors on logits' device, queued behind the step that made logits.
+    logits may be in the model's dtype (a decode step's): the argmax is the same, and the rows that need more
+    (temperature, log-probabilities) widen to fp32 first."""
     tokens = _choose(logits, seqs)
     if not any(s.params.logprobs for s in seqs):
         return tokens, None
-    return tokens, logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+    return tokens, logits.float().log_softmax(-1).gather(1, tokens[:, None])[:, 0]
 
 
 def _choose(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -28,7 +30,7 @@ def _choose(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         return greedy
     out = greedy.clone()
     idx = torch.tensor(rows, device=logits.device)
-    sub = logits[idx] / torch.tensor([seqs[i].params.temperature for i in rows], device=logits.device)[:, None]
+    sub = logits[idx].float() / torch.tensor([seqs[i].params.temperature for i in rows], device=logits.device)[:, None]
     top_k = [seqs[i].params.top_k for i in rows]
     if any(top_k):
         k = torch.tensor([t if t > 0 else sub.shape[1] for t in top_k], device=logits.device)
