@@ -68,6 +68,54 @@ def attention_micro(dev) -> list[dict]:
     return out
 
 
+def attention_graph(dev) -> list[dict]:
+    """paged_decode as a decode step runs it: 28 calls back to back (one per layer) captured in a CUDA graph
+    (dependent launch on, as in the engine), timed by replays; us per call. A kernel timed alone with dependent
+    launch on also counts its wait for the kernel before it, which misleads at small batches."""
+    from dark.models.decoder import kernel_module
+
+    kernel_module()
+    from dark.kernels.paged_attention import default_splits, paged_decode
+
+    out = []
+    bs, kvh, d, h, layers = 16, 4, 128, 28, 28
+    for batch, ctx in ((8, 1100), (16, 1100), (32, 1100), (48, 1100), (64, 1100), (128, 1100), (256, 1100)):
+        blocks = batch * (-(-ctx // bs))
+        kc = torch.randn(blocks, bs, kvh, d, device=dev, dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        bt = torch.randperm(blocks, device=dev, dtype=torch.int32).view(batch, -1)
+        lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
+        q = torch.randn(batch, h, d, device=dev, dtype=torch.bfloat16)
+        dflt = default_splits(batch, kvh)
+        for stages in (-1, None, 3):
+            for splits in sorted({dflt, 1, 2, 4, 8, 16}):
+                if batch * kvh * splits > 4096:
+                    continue
+                kw = dict(splits=splits, num_stages=stages)
+                for _ in range(2):  # compile, warm
+                    paged_decode(q, kc, vc, bt, lens, 0.088, **kw)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    x = q
+                    for _ in range(layers):
+                        x = paged_decode(x, kc, vc, bt, lens, 0.088, **kw)
+                graph.replay()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(20):
+                    graph.replay()
+                end.record()
+                end.synchronize()
+                us = start.elapsed_time(end) * 1000 / 20 / layers
+                out.append({"batch": batch, "ctx": ctx, "stages": stages, "splits": splits, "default": splits == dflt,
+                            "us": round(us, 1)})
+                print("attention_graph", out[-1], flush=True)
+                del graph
+        del kc, vc
+    return out
+
+
 def steady(llm, clock: StepClock, batch: int, ctx: int, steps: int) -> dict:
     """Profile `steps` decode steps of `batch` sequences once all of them decode."""
     from torch.profiler import ProfilerActivity, profile
@@ -171,6 +219,8 @@ def main() -> None:
     try:
         if "attention" in a.parts:
             report["attention"] = attention_micro(dev)
+        if "attention_graph" in a.parts:
+            report["attention_graph"] = attention_graph(dev)
         if not {"steady", "offline"} & set(a.parts):
             return
         tmp = Path(tempfile.mkdtemp(prefix="dark-offline-", dir="/dev/shm"))
