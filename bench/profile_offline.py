@@ -87,7 +87,7 @@ def attention_graph(dev) -> list[dict]:
         lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
         q = torch.randn(batch, h, d, device=dev, dtype=torch.bfloat16)
         dflt = default_splits(batch, kvh)
-        for stages in (-1, None, 3):
+        for stages in (None, 3):
             for splits in sorted({dflt, 1, 2, 4, 8, 16}):
                 if batch * kvh * splits > 4096:
                     continue
