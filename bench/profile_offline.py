@@ -6,6 +6,8 @@ Three parts, in one process on the GPU:
   steady      decode steps of B sequences (B = 256, 128, 64) whose contexts are ~1,000 tokens: GPU kernel time
               per step by kernel, against the wall time per step (CUDA graphs, steps launched ahead: as served)
   prefill     16 prompts (one output token each) under the profiler: the prefill steps' kernels
+  adapter     steady steps at batch 1 (context 128) without and with one adapter, and 64 sequences without and
+              over 32 adapters (rank 16 on the 7 projections)
   offline     run_all's offline run (256 requests, lengths uniform in 100..1024): the steps per graph bucket,
               how many rows each bucket padded, and the host's time per step outside the runner
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import random
 import shutil
 import sys
@@ -116,8 +119,9 @@ def attention_graph(dev) -> list[dict]:
     return out
 
 
-def steady(llm, clock: StepClock, batch: int, ctx: int, steps: int) -> dict:
-    """Profile `steps` decode steps of `batch` sequences once all of them decode."""
+def steady(llm, clock: StepClock, batch: int, ctx: int, steps: int, adapters=None) -> dict:
+    """Profile `steps` decode steps of `batch` sequences once all of them decode (adapters: refs given to the
+    sequences in turn; None: the base model)."""
     from torch.profiler import ProfilerActivity, profile
 
     from dark.engine.sequence import SamplingParams
@@ -134,8 +138,9 @@ def steady(llm, clock: StepClock, batch: int, ctx: int, steps: int) -> dict:
                     done.set()
 
     clock.clear()
-    ids = [llm.engine.add_request(p, SamplingParams(max_tokens=4 * steps + 200, ignore_eos=True), None, on_output)
-           for p in prompts_ids(batch, ctx, 31 + batch)]
+    ids = [llm.engine.add_request(p, SamplingParams(max_tokens=4 * steps + 200, ignore_eos=True),
+                                  adapters[i % len(adapters)] if adapters else None, on_output)
+           for i, p in enumerate(prompts_ids(batch, ctx, 31 + batch))]
     while not (len(clock.seqs) >= 3 and all(q == batch for q in clock.seqs[-3:])
                and all(n == batch for _, _, n in clock.steps[-3:])):
         time.sleep(0.01)
@@ -160,12 +165,13 @@ def steady(llm, clock: StepClock, batch: int, ctx: int, steps: int) -> dict:
     groups = collections.Counter()
     for e in events:
         k = e.key.lower()
-        g = ("attention" if "paged_decode" in k or "merge" in k else
+        g = ("lora" if any(s in k for s in ("lora", "shrink", "expand", "segments")) else
+             "attention" if "paged_decode" in k or "merge" in k else
              "matmul" if any(s in k for s in ("gemm", "nvjet", "cutlass", "gemv", "sm90", "xmma")) else
              "norm/rope/kv" if any(s in k for s in ("norm", "rotary", "store")) else "other")
         groups[g] += e.device_time_total / 1000 / n
-    top = sorted(events, key=lambda e: -e.device_time_total)[:14]
-    r = {"batch": batch, "ctx": ctx, "steps": n, "wall_ms_per_step": round(1000 * wall, 3),
+    top = sorted(events, key=lambda e: -e.device_time_total)[:24]
+    r = {"batch": batch, "ctx": ctx, "steps": n, "adapters": len(set(adapters or [])), "wall_ms_per_step": round(1000 * wall, 3),
          "gpu_ms_per_step": round(total, 3), "by_group_ms": {k: round(v, 3) for k, v in groups.items()},
          "top_ms_per_step": [(e.key[:80], round(e.count / n, 1), round(e.device_time_total / 1000 / n, 4)) for e in top]}
     print("steady", json.dumps(r), flush=True)
@@ -221,13 +227,13 @@ def main() -> None:
             report["attention"] = attention_micro(dev)
         if "attention_graph" in a.parts:
             report["attention_graph"] = attention_graph(dev)
-        if not {"steady", "offline"} & set(a.parts):
+        if not {"steady", "offline", "prefill", "adapter"} & set(a.parts):
             return
         tmp = Path(tempfile.mkdtemp(prefix="dark-offline-", dir="/dev/shm"))
         build_folder(QWEN25_7B, a.tokenizer.resolve(), tmp / "model", dev)
         llm = OnlineLLM(str(tmp / "model"), data_dir=tmp / "data", device="cuda", dtype="bfloat16",
                         num_kv_blocks=(a.requests * 2 * 1024) // 16 + 1024, max_num_seqs=a.requests,
-                        max_num_batched_tokens=8192, max_adapter_slots=4, max_lora_rank=16)
+                        max_num_batched_tokens=8192, max_adapter_slots=34, max_lora_rank=16)
         clock = StepClock(llm.engine.runner)
         try:
             if "offline" in a.parts:
@@ -244,6 +250,19 @@ def main() -> None:
                 print("prefill", json.dumps(prof), flush=True)
             if "steady" in a.parts:
                 report["steady"] = [steady(llm, clock, b, 1000, 30) for b in (256, 128, 64)]
+            if "adapter" in a.parts:  # batch 1 with and without one adapter; 64 sequences over 32 adapters and none
+                from bench_decode import random_adapter
+
+                for i in range(32):
+                    llm.engine.adapters.publish(f"a{i}", 1, random_adapter(llm, 16, seed=100 + i))
+                report["adapter"] = [steady(llm, clock, 1, 128, 60), steady(llm, clock, 1, 128, 60, [("a0", 1)])]
+                os.environ["DARK_NORM_CODES"] = "0"  # A/B: the codes from lora_shrink launches (graphs captured anew)
+                llm.engine.runner.set_fast(True)
+                report["adapter"].append({**steady(llm, clock, 1, 128, 60, [("a0", 1)]), "norm_codes": False})
+                del os.environ["DARK_NORM_CODES"]
+                llm.engine.runner.set_fast(True)
+                report["adapter"] += [steady(llm, clock, 64, 128, 30),
+                                      steady(llm, clock, 64, 128, 30, [(f"a{i}", 1) for i in range(32)])]
         finally:
             llm.close()
             shutil.rmtree(tmp, ignore_errors=True)

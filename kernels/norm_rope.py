@@ -93,6 +93,44 @@ if triton is not None:
         tl.store(out_ptr + row * stride_o + n, (w * y).to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
+    def _norm_codes_kernel(x_ptr, d_ptr, w_ptr, out_ptr, sum_ptr, a_ptr, slot_ptr, h_ptr, N, stride_as, stride_ar,
+                           eps, BN: tl.constexpr, HAS_DELTA: tl.constexpr, R: tl.constexpr, BR: tl.constexpr,
+                           MEMBERS: tl.constexpr, STRIDE: tl.constexpr, CPB: tl.constexpr, PDL: tl.constexpr):
+        """One row: program 0 is _rms_norm_kernel (HAS_DELTA: _add_rms_norm_kernel); program p > 0 computes the
+        same normed row and, from it, CPB of the adapter's codes: code c = (p - 1) * CPB + i is member c // BR's
+        rank row c % BR, h[c] = normed . A[slot, member * STRIDE + rank row] in fp32 (rows past R give 0). Its A
+        rows are read before the wait: they never depend on the kernel before."""
+        p = tl.program_id(0)
+        n = tl.arange(0, BN)
+        m = n < N
+        w = tl.load(w_ptr + n, mask=m, other=0.0).to(tl.float32)
+        c = (tl.maximum(p, 1) - 1) * CPB + tl.arange(0, CPB)
+        member = c // BR
+        r = c % BR
+        cm = (member < MEMBERS) & (r < R) & (p > 0)
+        s = tl.maximum(tl.load(slot_ptr).to(tl.int64), 0)
+        a = tl.load(a_ptr + s * stride_as + (member * STRIDE + r).to(tl.int64)[:, None] * stride_ar + n[None, :],
+                    mask=cm[:, None] & m[None, :], other=0.0)
+        wait_prior(PDL)
+        x = tl.load(x_ptr + n, mask=m, other=0.0).to(tl.float32)
+        if HAS_DELTA:
+            d = tl.load(d_ptr + n, mask=m, other=0.0).to(tl.float32)
+            x = (x + d).to(sum_ptr.dtype.element_ty)
+            if p == 0:
+                tl.store(sum_ptr + n, x, mask=m)
+            x = x.to(tl.float32)
+            rs = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
+            y = (w * (x * rs).to(sum_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty)
+        else:
+            rs = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
+            y = (w * (x * rs).to(x_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty)
+        if p == 0:
+            tl.store(out_ptr + n, y, mask=m)
+        else:
+            h = tl.sum(a.to(tl.float32) * y.to(tl.float32)[None, :], 1)
+            tl.store(h_ptr + c, h, mask=member < MEMBERS)
+
+    @triton.jit
     def _rms_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, N, stride_x, stride_dy, stride_dx, eps,
                              BN: tl.constexpr):
         # dx of y = w * x * r, r = rsqrt(mean(x^2) + eps), for a frozen w: with g = dy * w,
@@ -162,8 +200,10 @@ def _rows(x):
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def rms_norm(x, weight, eps):
-    """x [..., N] -> same shape and dtype; weight [N]."""
+def rms_norm(x, weight, eps, codes=None):
+    """x [..., N] -> same shape and dtype; weight [N]. codes: see norm_codes."""
+    if codes is not None:
+        return _norm_codes(x, None, weight, eps, codes)
     shape = x.shape
     x2 = _rows(x)
     out = torch.empty(x2.shape, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
@@ -172,12 +212,14 @@ def rms_norm(x, weight, eps):
     return out.view(shape)
 
 
-def add_rms_norm(x, delta, weight, eps):
+def add_rms_norm(x, delta, weight, eps, codes=None):
     """The residual add and the RMSNorm after it in one launch: x, delta [..., N] (rows may be wider) ->
     (normed, summed), summed = x + delta in their promoted dtype, rounded once as torch's add rounds it, and
     normed = rms_norm(summed, weight, eps) by rms_norm's arithmetic: the decoder's `x = x + h; norm(x)` without the
     add's own kernel and its round trip through memory. For passes without autograd. (Under TRITON_INTERPRET=1 a
     bf16 sum may sit one ulp towards zero: the interpreter truncates fp32 -> bf16 casts.)"""
+    if codes is not None:
+        return _norm_codes(x, delta, weight, eps, codes)
     shape = x.shape
     assert delta.shape == shape, (delta.shape, shape)
     x2, d2 = _rows(x), _rows(delta)
@@ -188,6 +230,39 @@ def add_rms_norm(x, delta, weight, eps):
                                          out.stride(0), summed.stride(0), eps, BN=triton.next_power_of_2(shape[-1]),
                                          **pdl(x.device))
     return out.view(shape), summed.view(shape)
+
+
+# codes a program of _norm_codes_kernel computes
+CODES_PER_PROGRAM = 4
+
+
+def _norm_codes(x, delta, weight, eps, codes):
+    """rms_norm / add_rms_norm of ONE row with an adapter's codes for the projections that take the normed row, in
+    the same launch (a batch-1 decode step then needs no lora_shrink launch between the norm and the GEMV that adds
+    the delta: dark.kernels.gemv's `lora`). codes: {"A": factors [slots, rows, N] (unit stride along N), "slot": a
+    1-element integer device tensor (-1: none; the codes are then those of slot 0, and unused), "rank",
+    "members", "stride": the rows between members' first rank rows, "out": [1, 1, members, BR] fp32, filled
+    with member m's rank row r at [0, 0, m, r] (zero for r >= rank): lora_shrink's layout with one split}.
+    Sets codes["written"] = True. Returns what rms_norm / add_rms_norm return."""
+    N = x.shape[-1]
+    assert x.numel() == N and (delta is None or delta.shape == x.shape), "codes with the norm: one row only"
+    A, h = codes["A"], codes["out"]
+    members, br = h.shape[2], h.shape[3]
+    assert A.stride(-1) == 1 and A.shape[-1] == N and h.is_contiguous() and members == codes["members"]
+    x2 = _rows(x)
+    d2 = _rows(delta) if delta is not None else x2
+    dtype = torch.promote_types(x.dtype, delta.dtype) if delta is not None else x.dtype
+    summed = torch.empty(x2.shape, device=x.device, dtype=dtype) if delta is not None else x2
+    out = torch.empty(x2.shape, device=x.device, dtype=torch.promote_types(weight.dtype, dtype))
+    programs = triton.cdiv(members * br, CODES_PER_PROGRAM)
+    _norm_codes_kernel[(1 + programs,)](x2, d2, weight, out, summed, A, codes["slot"], h, N, A.stride(0), A.stride(1),
+                                        eps, BN=triton.next_power_of_2(N), HAS_DELTA=delta is not None,
+                                        R=codes["rank"], BR=br, MEMBERS=members, STRIDE=codes["stride"],
+                                        CPB=CODES_PER_PROGRAM, num_warps=8, **pdl(x.device))
+    codes["written"] = True
+    if delta is None:
+        return out.view(x.shape)
+    return out.view(x.shape), summed.view(x.shape)
 
 
 def _rotary_into(x, cos, sin, out, sign):

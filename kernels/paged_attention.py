@@ -189,14 +189,22 @@ if triton is not None:
             tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=gm[:, None])
 
     @triton.jit
-    def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ot, stride_oh, D: tl.constexpr,
-                      SPLITS: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
-        wait_prior(PDL)
+    def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ot, stride_oh, a_ptr, slot_ptr, codes_ptr, stride_as,
+                      stride_ar, D: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr, CODES: tl.constexpr,
+                      R: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr):
+        # CODES (a batch of one): head h's part of an adapter's codes for the projection that takes the output
+        # (o_proj), codes[h, r] = out[h] . A[slot, r, h * D:(h + 1) * D] in fp32, A read before the wait
         b = tl.program_id(0)
         h = tl.program_id(1)
         H = tl.num_programs(1)
-        s = tl.arange(0, SP)
         d = tl.arange(0, D)
+        if CODES:
+            r = tl.arange(0, BR)
+            slot = tl.maximum(tl.load(slot_ptr).to(tl.int64), 0)
+            a = tl.load(a_ptr + slot * stride_as + r[:, None] * stride_ar + h * D + d[None, :],
+                        mask=(r < R)[:, None], other=0.0).to(tl.float32)
+        wait_prior(PDL)
+        s = tl.arange(0, SP)
         sm = s < SPLITS
         row = (b * H + h) * SPLITS + s
         m = tl.load(m_ptr + row, mask=sm, other=float("-inf"))
@@ -206,8 +214,10 @@ if triton is not None:
         w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - mx))
         acc = tl.load(acc_ptr + row[:, None] * D + d[None, :], mask=sm[:, None], other=0.0)
         total = tl.sum(l * w, 0)
-        o = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-        tl.store(out_ptr + b * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+        o = (tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + b * stride_ot + h * stride_oh + d, o)
+        if CODES:
+            tl.store(codes_ptr + h * BR + r, tl.sum(a * o.to(tl.float32)[None, :], 1))
 
 
 def default_splits(batch: int, kv_heads: int, num_sms: int = 132) -> int:
@@ -250,11 +260,16 @@ def qkv_rotary_store(y, nh, nkv, d, cos, sin, k_cache, v_cache, slot_mapping):
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, splits: int | None = None,
-                 block_n: int = 64, num_warps: int = 4, num_stages: int | None = -1):
+                 block_n: int = 64, num_warps: int = 4, num_stages: int | None = -1, codes: dict | None = None):
     """q [B, H, D] -> [B, H, D]; caches [blocks, block_size, KVH, D]; block_tables [B, W] int; ctx_lens [B].
     num_stages: tiles of keys and values in flight at once (a pipelined loop); None: one at a time; -1: 3 from
     16 sequences up (in a CUDA graph of 28 calls, H200, 1,100-token contexts: 142 against 175 us a call at 256
-    sequences, 72 against 113 at 128, 27.6 against 31.1 at 32), else one at a time (9.9 against 10.4 us at 8)."""
+    sequences, 72 against 113 at 128, 27.6 against 31.1 at 32), else one at a time (9.9 against 10.4 us at 8).
+
+    codes (a batch of one, with a merge: more than one range): the merge also writes an adapter's codes for the
+    projection that takes the output, per head: {"A": [slots, rows, H * D], "slot": 1-element device tensor,
+    "rank", "out": [1, H, 1, BR] fp32, whose sum over axis 1 is out . A[slot, :rank]^T (lora_shrink's layout, one
+    range a head)}; sets codes["written"]. Left unwritten (the caller then shrinks) without a merge."""
     B, H, D = q.shape
     _, bs, kvh, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and q.stride(2) == 1
@@ -276,8 +291,16 @@ def paged_decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, splits: int
         num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}), **pdl(q.device))
     if splits == 1:
         return out
-    _merge_kernel[(B, H)](part_m, part_l, part_acc, out, out.stride(0), out.stride(1), D=D, SPLITS=splits,
-                          SP=triton.next_power_of_2(splits), **pdl(q.device))
+    if codes is not None:
+        A, h = codes["A"], codes["out"]
+        assert B == 1 and A.shape[-1] == H * D and A.stride(-1) == 1 and h.is_contiguous() and h.shape[1] == H
+        cargs = (A, codes["slot"], h, A.stride(0), A.stride(1))
+        cconst = dict(CODES=True, R=codes["rank"], BR=h.shape[3])
+        codes["written"] = True
+    else:
+        cargs, cconst = (None, None, None, 0, 0), dict(CODES=False, R=1, BR=16)
+    _merge_kernel[(B, H)](part_m, part_l, part_acc, out, out.stride(0), out.stride(1), *cargs, D=D, SPLITS=splits,
+                          SP=triton.next_power_of_2(splits), **cconst, **pdl(q.device))
     return out
 
 

@@ -823,3 +823,118 @@ def test_gemv_glu_is_the_gemv_then_silu_mul(dtype, n, k):
     assert rel_err(out.float().cpu(), ref.cpu()) < (1e-5 if dtype == torch.float32 else 2e-2)
     with pytest.raises(AssertionError):
         gemv(x, w[:-1], glu=True)  # an odd number of rows is not [gate; up]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("members,rank,slot,with_delta", [(3, 6, 1, True), (2, 8, 0, False), (1, 3, 2, True),
+                                                           (3, 6, -1, True)])
+def test_norm_codes_match_norm_then_shrink(dtype, tol, members, rank, slot, with_delta):
+    """A batch of one: the norm that also writes an adapter's codes (grouped factors of 1-3 members, rank below
+    the slots' max rank, K not a power of two) gives the plain norm's outputs to the bit, and the codes
+    lora_shrink gives on the normed row (zero past the rank); a token with no adapter gets finite codes, which
+    the GEMV then ignores."""
+    from dark.kernels.lora import lora_shrink
+    from dark.kernels.norm_rope import add_rms_norm, rms_norm
+
+    g = torch.Generator().manual_seed(members * 10 + rank)
+    K, slots_n, max_rank = 300, 3, 8
+    A = torch.zeros(slots_n, members * max_rank, K)
+    for m in range(members):
+        A[:, m * max_rank:m * max_rank + rank] = torch.randn(slots_n, rank, K, generator=g) / K ** 0.5
+    A = A.to(DEV, dtype)
+    x = torch.randn(1, K, generator=g).to(DEV, dtype)
+    d = torch.randn(1, K, generator=g).to(DEV, dtype)
+    w = torch.rand(K, generator=g).add(0.5).to(DEV, dtype)
+    slots = torch.tensor([slot], dtype=torch.int32, device=DEV)
+    codes = {"A": A, "slot": slots, "rank": rank, "members": members, "stride": max_rank,
+             "out": torch.full((1, 1, members, 16), float("nan"), device=DEV)}
+    if with_delta:
+        normed, summed = add_rms_norm(x, d, w, 1e-6, codes)
+        ref_normed, ref_summed = add_rms_norm(x, d, w, 1e-6)
+        assert torch.equal(summed, ref_summed)
+    else:
+        normed = rms_norm(x, w, 1e-6, codes)
+        ref_normed = rms_norm(x, w, 1e-6)
+    assert codes["written"] and _same_kernel_math(normed, ref_normed)
+    h = codes["out"]
+    assert torch.isfinite(h).all() and (h[..., rank:] == 0).all()
+    shrunk = lora_shrink(ref_normed, A, torch.tensor([max(slot, 0)], device=DEV), rank, members=members,
+                         stride=max_rank).sum(1, keepdim=True)
+    torch.testing.assert_close(h[..., :rank], shrunk[..., :rank], rtol=tol, atol=tol)
+    with pytest.raises(AssertionError, match="one row"):
+        rms_norm(torch.cat([x, x]), w, 1e-6, codes)
+
+
+def test_batch_of_one_takes_codes_from_the_norms(tiny_llm_with_adapters, monkeypatch):
+    """One token with an adapter on the kernel path: the norms before q/k/v and gate/up and the attention's merge
+    before o_proj write their codes, so lora_shrink runs only for down_proj (1 launch a layer instead of 4), with
+    the same hidden states as the shrink launches give (DARK_NORM_CODES=0)."""
+    from dark.engine.attention import KVCache, PagedDecodeAttention
+    from dark.lora.slots import SlotLoRA
+
+    llm = tiny_llm_with_adapters
+    model, slots = llm.model, llm.engine.adapters.slots
+    cfg = model.config
+    model.use_fused_kernels(True)
+    manager = llm.engine.adapters
+    slot = manager.acquire(manager.resolve("a"))  # adapter "a": every projection
+    g = torch.Generator().manual_seed(0)
+    cache = KVCache(cfg.num_layers, 4, 8, cfg.num_kv_heads, cfg.head_dim, torch.float32, DEV)
+    cache.data.copy_(torch.randn(cache.data.shape, generator=g))
+    tables = torch.tensor([[1, 2]], dtype=torch.int32, device=DEV)
+    counter = _LaunchCounter(monkeypatch)
+
+    def run():
+        start = cache.data.clone()
+        with torch.inference_mode():
+            lora = SlotLoRA.with_kernels(slots, torch.tensor([slot], dtype=torch.int32, device=DEV))
+            attn = PagedDecodeAttention(cache, torch.tensor([12], device=DEV), tables, torch.tensor([13], device=DEV))
+            out = counter.count(lambda: model.hidden_states(torch.tensor([5], device=DEV), torch.tensor([12], device=DEV),
+                                                            attn, lora))
+        cache.data.copy_(start)
+        return out
+
+    (hidden, counts) = run()
+    monkeypatch.setenv("DARK_NORM_CODES", "0")
+    (shrunk, old_counts) = run()
+    layers = cfg.num_layers
+    assert counts["_shrink_kernel"] == layers and old_counts["_shrink_kernel"] == 4 * layers  # down_proj's only
+    assert counts["_norm_codes_kernel"] == 2 * layers and "_norm_codes_kernel" not in old_counts
+    assert "_expand_kernel" not in counts  # the GEMVs add the deltas
+    torch.testing.assert_close(hidden, shrunk, rtol=1e-4, atol=1e-4)
+    with torch.inference_mode():
+        attn = PagedDecodeAttention(cache, torch.tensor([12], device=DEV), tables, torch.tensor([13], device=DEV))
+        base = model.hidden_states(torch.tensor([5], device=DEV), torch.tensor([12], device=DEV), attn, None)
+    manager.release(slot)
+    model.use_fused_kernels(llm.engine.runner.fast_decode)  # as the engine had it
+    assert (hidden - base).abs().max() > 1e-3, "the adapter changed nothing"
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("slot,rank", [(1, 5), (-1, 8)])
+def test_paged_decode_merge_writes_codes(dtype, tol, slot, rank):
+    """A batch of one with a merge: paged_decode's output is the same with the codes asked for, and the merge's
+    per-head partial codes add up to lora_shrink's on that output (finite for a token with no adapter)."""
+    from dark.kernels.lora import lora_shrink
+
+    g = torch.Generator().manual_seed(rank)
+    H, kvh, D, bs = 4, 2, 32, 8
+    kc = torch.randn(6, bs, kvh, D, generator=g).to(DEV, dtype)
+    vc = torch.randn(6, bs, kvh, D, generator=g).to(DEV, dtype)
+    q = torch.randn(1, H, D, generator=g).to(DEV, dtype)
+    tables = torch.tensor([[3, 1, 4]], dtype=torch.int32, device=DEV)
+    ctx = torch.tensor([21], device=DEV)
+    A = torch.zeros(3, 8, H * D)
+    A[:, :rank] = torch.randn(3, rank, H * D, generator=g) / (H * D) ** 0.5
+    A = A.to(DEV, dtype)
+    slots = torch.tensor([slot], dtype=torch.int32, device=DEV)
+    codes = {"A": A, "slot": slots, "rank": rank, "out": torch.full((1, H, 1, 16), float("nan"), device=DEV)}
+    out = paged_decode(q, kc, vc, tables, ctx, 0.1, splits=4, codes=codes)
+    assert codes["written"] and _same_kernel_math(out, paged_decode(q, kc, vc, tables, ctx, 0.1, splits=4))
+    h = codes["out"]
+    assert torch.isfinite(h).all() and (h[..., rank:] == 0).all()
+    ref = lora_shrink(out.reshape(1, H * D), A, torch.tensor([max(slot, 0)], device=DEV), rank).sum(1, keepdim=True)
+    torch.testing.assert_close(h.sum(1, keepdim=True)[..., :rank], ref[..., :rank], rtol=tol, atol=tol)
+    no_merge = {**codes, "written": False}
+    paged_decode(q, kc, vc, tables, ctx, 0.1, splits=1, codes=no_merge)
+    assert not no_merge["written"]  # one range: no merge to write them (the caller shrinks)

@@ -536,6 +536,70 @@ def test_dependent_launch_chain_in_a_cuda_graph():
         torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
+def test_adapter_codes_chain_under_dependent_launch():
+    """A batch of one with an adapter, Qwen2.5-7B shapes: the norms and the attention's merge write the codes that
+    the GEMVs after them add (no lora_shrink), in a CUDA graph under programmatic dependent launch, replayed on new
+    inputs: bit for bit the ordinary launches, and near the plain-torch math (a kernel reading its input before its
+    wait, or the codes before they are written, would not be)."""
+    from dark.kernels import dependent_launch
+    from dark.kernels.gemv import gemv
+    from dark.kernels.paged_attention import paged_decode
+    from dark.kernels.norm_rope import add_rms_norm, rms_norm
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    hidden, inter, r, H, D = 3584, 18944, 16, 28, 128
+    norm_w = torch.rand(hidden, device="cuda", generator=g).bfloat16() + 0.5
+    w_gu = (torch.randn(2 * inter, hidden, device="cuda", generator=g) * 0.02).bfloat16()
+    w_o = (torch.randn(hidden, hidden, device="cuda", generator=g) * 0.02).bfloat16()
+    A_gu = (torch.randn(2, 2 * r, hidden, device="cuda", generator=g) * 0.02).bfloat16()
+    B_gu = (torch.randn(2, r, 2 * inter, device="cuda", generator=g) * 0.02).bfloat16()
+    A_o = (torch.randn(2, r, hidden, device="cuda", generator=g) * 0.02).bfloat16()
+    B_o = (torch.randn(2, r, hidden, device="cuda", generator=g) * 0.02).bfloat16()
+    kc = torch.randn(40, 16, 4, D, device="cuda", generator=g).bfloat16()
+    vc = torch.randn(40, 16, 4, D, device="cuda", generator=g).bfloat16()
+    tables = torch.arange(40, dtype=torch.int32, device="cuda")[None, 3:]
+    ctx = torch.tensor([300], device="cuda")
+    slot = torch.tensor([1], dtype=torch.int32, device="cuda")
+
+    def chain(x, q):
+        cg = {"A": A_gu, "slot": slot, "rank": r, "members": 2, "stride": r,
+              "out": torch.empty(1, 1, 2, 16, device="cuda")}
+        h = rms_norm(x, norm_w, 1e-6, cg)
+        act = gemv(h, w_gu, glu=True, lora={"h": cg["out"], "B": B_gu, "slot": slot, "rank": r, "splits": [inter, inter]})
+        co = {"A": A_o, "slot": slot, "rank": r, "out": torch.empty(1, H, 1, 16, device="cuda")}
+        att = paged_decode(q + act[:, :H * D].view(1, H, D), kc, vc, tables, ctx, 0.09, codes=co).reshape(1, H * D)
+        o = gemv(att, w_o, lora={"h": co["out"], "B": B_o, "slot": slot, "rank": r})
+        cg2 = {**cg, "out": torch.empty(1, 1, 2, 16, device="cuda")}
+        h, _ = add_rms_norm(x, o, norm_w, 1e-6, cg2)
+        return gemv(h, w_gu, glu=True, lora={"h": cg2["out"], "B": B_gu, "slot": slot, "rank": r,
+                                              "splits": [inter, inter]})
+
+    inputs = [(torch.randn(1, hidden, device="cuda", generator=g).bfloat16(),
+               torch.randn(1, H, D, device="cuda", generator=g).bfloat16()) for _ in range(4)]
+    expected = [chain(x, q) for x, q in inputs]
+    x0, q0 = inputs[0][0].clone(), inputs[0][1].clone()
+    graph = torch.cuda.CUDAGraph()
+    with dependent_launch():
+        chain(x0, q0)
+        with torch.cuda.graph(graph):
+            out = chain(x0, q0)
+    for (x, q), ref in zip(inputs, expected):
+        x0.copy_(x)
+        q0.copy_(q)
+        graph.replay()
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    # the first GEMV's output (the adapter's delta with SiLU * up) against plain torch, fp32 on the same inputs
+    x = inputs[-1][0]
+    hn = rms_norm(x, norm_w, 1e-6).float()
+    codes = hn @ A_gu[1].float().T  # [1, 2r]: gate's codes, then up's
+    gu = hn @ w_gu.float().T + codes @ torch.block_diag(B_gu[1, :, :inter].float(), B_gu[1, :, inter:].float())
+    act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+    cg = {"A": A_gu, "slot": slot, "rank": r, "members": 2, "stride": r, "out": torch.empty(1, 1, 2, 16, device="cuda")}
+    first = gemv(rms_norm(x, norm_w, 1e-6, cg), w_gu, glu=True,
+                 lora={"h": cg["out"], "B": B_gu, "slot": slot, "rank": r, "splits": [inter, inter]})
+    assert (first.float() - act).abs().max() / act.abs().max() < 2e-2
+
+
 def test_gemv_glu_qwen_shape():
     """Qwen2.5-7B's gate/up at batch 1 through the GEMV with SiLU * up in its epilogue, against the reference and
     against the GEMV then silu_mul."""

@@ -14,6 +14,8 @@ input is a device tensor of slots, which a CUDA graph can keep (the sort is capt
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..models.decoder import ModelConfig, kernel_module
@@ -108,6 +110,7 @@ class SlotLoRA:
         self.r = max(slots.rank[s] for s in active)
         self.uniform = token_slots is None
         self.kernel_slots = self.kernel_segments = None
+        self._codes = {}
         if not self.uniform:
             ids = torch.tensor(active, device=token_slots.device)
             self.index = ids
@@ -123,7 +126,31 @@ class SlotLoRA:
         lora.slots, lora.active, lora.token_slots, lora.uniform = slots, None, None, False
         lora.kernel_slots, lora.r = token_slots, slots.kernel_rank()
         lora.kernel_segments = kernel_module("lora").lora_segments(token_slots, slots.num_slots)
+        lora._codes = {}
         return lora
+
+    def norm_codes(self, layer: int, key: str, x: torch.Tensor, parts: int = 1) -> dict | None:
+        """A batch of one on the kernel path: a place for the codes of a fused group ("qkv", "gate_up") or of one
+        projection, which the kernel before it fills in its own launch (the norm: kernels.norm_rope's `codes`;
+        the attention's merge: paged_decode's, in `parts` partial sums); gemv_lora then takes them instead of
+        launching lora_shrink. None off that path, or with no factors there. DARK_NORM_CODES=0: never."""
+        if (self.kernel_slots is None or self.kernel_segments.dim() != 1 or x.shape[0] != 1
+                or os.environ.get("DARK_NORM_CODES", "1") == "0"):
+            return None
+        if key in MEMBERS:
+            entry = self.slots.groups.get((layer, key))
+            if entry is None:
+                return None
+            A, members, stride = entry[0], len(entry[2]), self.slots.max_rank
+        else:
+            A, members, stride = self.slots.A.get((layer, key)), 1, 0
+            if A is None:
+                return None
+        br = max(16, 1 << (self.r - 1).bit_length())
+        spec = {"A": A, "slot": self.kernel_slots, "rank": self.r, "members": members, "stride": stride,
+                "out": torch.empty(1, parts, members, br, device=A.device, dtype=torch.float32)}
+        self._codes[(layer, key)] = spec
+        return spec
 
     def gemv_lora(self, layer: int, key: str, x: torch.Tensor, group: bool = False):
         """A batch of one on the kernel path: the codes of this projection (group: of this fused group) from
@@ -141,8 +168,12 @@ class SlotLoRA:
             A, B, outs, stride = self.slots.A.get((layer, key)), self.slots.B.get((layer, key)), None, 0
             if A is None:
                 return None
-        h = kernel_module("lora").lora_shrink(x, A, self.kernel_slots, self.r, members=len(outs) if outs else 1,
-                                              stride=stride, segments=self.kernel_segments)
+        spec = self._codes.pop((layer, key), None)
+        if spec is not None and spec.get("written"):  # the norm before computed them (norm_codes)
+            h = spec["out"]
+        else:
+            h = kernel_module("lora").lora_shrink(x, A, self.kernel_slots, self.r, members=len(outs) if outs else 1,
+                                                  stride=stride, segments=self.kernel_segments)
         return {"h": h, "B": B, "slot": self.kernel_slots, "rank": self.r, "splits": outs}
 
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

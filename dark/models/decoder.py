@@ -167,6 +167,16 @@ def _gemv_lora(lora, layer: int, key: str, x: torch.Tensor, group: bool = False)
     return fn(layer, key, x, group)
 
 
+def _norm_codes(lora, layer: int, key: str, x: torch.Tensor, parts: int = 1) -> dict | None:
+    """For a batch of one on the kernel path: where the kernel before a projection writes the adapter's codes for
+    it (SlotLoRA.norm_codes): the norm before a fused group ("qkv", "gate_up"), the attention's merge before
+    o_proj (in `parts` partial sums, one a head), so the GEMV needs no lora_shrink launch; else None."""
+    fn = getattr(lora, "norm_codes", None)
+    if fn is None or x.dim() != 2 or x.shape[0] != 1 or os.environ.get("DARK_GEMV_LORA", "1") == "0":
+        return None
+    return fn(layer, key, x, parts)
+
+
 def _project_lora(x, weight, bias, fused: bool, lora, layer: int, key: str, group: bool = False) -> torch.Tensor:
     """_project plus the adapter's delta (lora.apply / apply_group); for one token on the kernel path, in the GEMV."""
     if _gemv_applies(x, fused):
@@ -198,11 +208,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.fused = False  # CausalLM.use_fused_kernels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, codes: dict | None = None) -> torch.Tensor:
+        """codes (a batch of one on the kernel path; _norm_codes): the adapter's codes of the projections after
+        this norm, computed in its launch (kernels.norm_rope.norm_codes); ignored on the other paths."""
         if self.fused:
             kernels = kernel_module("norm_rope")
             if not torch.is_grad_enabled():
-                return kernels.rms_norm(x, self.weight, self.eps)
+                return kernels.rms_norm(x, self.weight, self.eps, codes)
             if not self.weight.requires_grad:
                 return kernels.rms_norm_train(x, self.weight, self.eps)
         dtype = x.dtype
@@ -210,11 +222,12 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor, codes: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(x + delta), x + delta): one launch of the Triton add_rms_norm in passes without autograd with the
-        fused kernels on (the add's values, and rms_norm's of them), else the add, then forward."""
+        fused kernels on (the add's values, and rms_norm's of them), else the add, then forward. codes: as in
+        forward."""
         if self.fused and not torch.is_grad_enabled():
-            return kernel_module("norm_rope").add_rms_norm(x, delta, self.weight, self.eps)
+            return kernel_module("norm_rope").add_rms_norm(x, delta, self.weight, self.eps, codes)
         x = x + delta
         return self(x), x
 
@@ -279,7 +292,8 @@ class SelfAttention(nn.Module):
                 return self.o_proj(attn.attend(self.layer, q, k, v).reshape(t, self.nh * self.d), lora)
             if self.fused and not training and self.q_norm is None and hasattr(attn, "attend_fused_qkv"):
                 # serving's decode attention: rotary of q and k and the cache store in one launch, on y as it is
-                out = attn.attend_fused_qkv(self.layer, y, self.nh, self.nkv, self.d, cos, sin)
+                codes = _norm_codes(lora, self.layer, "o_proj", y, parts=self.nh)  # from the attention's merge
+                out = attn.attend_fused_qkv(self.layer, y, self.nh, self.nkv, self.d, cos, sin, codes)
                 return self.o_proj(out.reshape(t, self.nh * self.d), lora)
             q, k, v = y.split([self.nh * self.d, self.nkv * self.d, self.nkv * self.d], -1)
             q, k, v = q.reshape(t, self.nh, self.d), k.reshape(t, self.nkv, self.d), v.reshape(t, self.nkv, self.d)
@@ -342,11 +356,14 @@ class DecoderLayer(nn.Module):
         if not defer:
             x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, lora)
             return x + self.mlp(self.post_attention_layernorm(x), lora)
+        layer = self.self_attn.layer
+        codes = _norm_codes(lora, layer, "qkv", x)
         if pending is None:
-            h = self.input_layernorm(x)
+            h = self.input_layernorm(x, codes)
         else:
-            h, x = self.input_layernorm.add_forward(x, pending)
-        h, x = self.post_attention_layernorm.add_forward(x, self.self_attn(h, cos, sin, attn, lora))
+            h, x = self.input_layernorm.add_forward(x, pending, codes)
+        out = self.self_attn(h, cos, sin, attn, lora)
+        h, x = self.post_attention_layernorm.add_forward(x, out, _norm_codes(lora, layer, "gate_up", x))
         return x, self.mlp(h, lora)
 
 
