@@ -57,12 +57,51 @@ if triton is not None:
         return delta
 
     @triton.jit
+    def _codes_part(x_ptr, K, ca_ptr, cslot_ptr, cout_ptr, stride_cas, stride_car, j, CR: tl.constexpr,
+                    CBR: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+        """Program j of the codes programs: one row x's partial codes over K range j, cout[j, r] =
+        x[range] . A[slot, r, range] in fp32 (r < CR; 0 up to CBR), A read before the wait."""
+        r = tl.arange(0, CBR)
+        k = j * CHUNK + tl.arange(0, CHUNK)
+        km = k < K
+        slot = tl.maximum(tl.load(cslot_ptr).to(tl.int64), 0)
+        a = tl.load(ca_ptr + slot * stride_cas + r[:, None] * stride_car + k[None, :],
+                    mask=(r < CR)[:, None] & km[None, :], other=0.0).to(tl.float32)
+        wait_prior(PDL)
+        x = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
+        tl.store(cout_ptr + j * CBR + r, tl.sum(a * x[None, :], 1))
+
+    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
                      lslot_ptr, lh_ptr, lb_ptr, N1, N2, stride_bs, stride_br,
+                     ca_ptr, cslot_ptr, cout_ptr, stride_cas, stride_car, NMAIN,
                      M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      FIRST_K: tl.constexpr, GLU: tl.constexpr, LORA: tl.constexpr, R: tl.constexpr,
                      BR: tl.constexpr, MEMBERS: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
+                     CODES: tl.constexpr, CR: tl.constexpr, CBR: tl.constexpr, CHUNK: tl.constexpr,
                      PDL: tl.constexpr):
+        # CODES (one row): programs from NMAIN on compute an adapter's partial codes of x for a LATER kernel to
+        # add the delta (_codes_part), beside the product's programs
+        if CODES:
+            if tl.program_id(0) >= NMAIN:
+                _codes_part(x_ptr, K, ca_ptr, cslot_ptr, cout_ptr, stride_cas, stride_car,
+                            tl.program_id(0) - NMAIN, CR, CBR, CHUNK, PDL)
+            else:
+                _gemv_body(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om, lslot_ptr, lh_ptr,
+                           lb_ptr, N1, N2, stride_bs, stride_br, M, HAS_BIAS, BLOCK_N, BLOCK_K, FIRST_K, GLU, LORA,
+                           R, BR, MEMBERS, SPLITS, SP, PDL)
+        else:
+            _gemv_body(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om, lslot_ptr, lh_ptr,
+                       lb_ptr, N1, N2, stride_bs, stride_br, M, HAS_BIAS, BLOCK_N, BLOCK_K, FIRST_K, GLU, LORA,
+                       R, BR, MEMBERS, SPLITS, SP, PDL)
+
+    @triton.jit
+    def _gemv_body(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
+                   lslot_ptr, lh_ptr, lb_ptr, N1, N2, stride_bs, stride_br,
+                   M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   FIRST_K: tl.constexpr, GLU: tl.constexpr, LORA: tl.constexpr, R: tl.constexpr,
+                   BR: tl.constexpr, MEMBERS: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
+                   PDL: tl.constexpr):
         # GLU: W is [2N, K], gate rows then up rows, and out = silu(x @ gate^T) * (x @ up^T), both products
         # rounded to out's dtype first (what the GEMV then silu_mul give). LORA (a batch of one): the adapter's
         # delta added before that rounding (a GLU's gate and up columns are its columns n and N + n).
@@ -141,14 +180,29 @@ def config(n: int, k: int, glu: bool = False) -> tuple[int, int, int, int]:
     return 4, 1024, 4, 1024
 
 
+# the K range of one codes program (gemv's codes_out)
+CODES_CHUNK = 512
+
+
+def codes_parts(k: int) -> int:
+    """The partial sums gemv's codes_out takes for a row of k columns."""
+    return triton.cdiv(k, CODES_CHUNK)
+
+
 def gemv(x, weight, bias=None, block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-         num_stages: int = 3, first_k: int | None = None, glu: bool = False, lora: dict | None = None):
+         num_stages: int = 3, first_k: int | None = None, glu: bool = False, lora: dict | None = None,
+         codes_out: dict | None = None):
     """x [M, K] (M small: the kernel reads W once per row of x, so it is for M = 1), weight [N, K] with unit stride
     along K, bias [N] or None -> [M, N] in x's dtype. Block sizes default to config(N, K); first_k (a power of
     two) columns of each row are read before the wait for the kernel before.
 
     glu: weight is [2 * N, K], a gate projection's rows then an up projection's (no bias), and the result is
     silu(x @ gate^T) * (x @ up^T) [M, N]: the MLP's gate/up GEMV and silu_mul in one launch, equal to the two.
+
+    codes_out (M = 1, no lora): an adapter's codes of x, for a later kernel to add the delta (the residual add's
+    norm: norm_rope's delta_lora), from programs of this launch beside the product's: {"A": [slots, rows, K],
+    "slot": 1-element device tensor, "rank", "out": [1, codes_parts(K), 1, BR] fp32, partial sums over K ranges
+    (lora_shrink's layout)}. The output is the product alone.
 
     lora (M = 1): an adapter's delta added in the same launch, instead of lora_expand's after it: {"h": the codes
     from lora_shrink [1, splits, members, BR], "B": factors [slots, rows, outputs] as lora_expand takes them,
@@ -168,11 +222,20 @@ def gemv(x, weight, bias=None, block_n: int | None = None, block_k: int | None =
         block_n = max(block_n, min(1024, 2**18 // max(first_k, block_k)))
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     lo = _lora_args(lora, M, weight.shape[0])
-    _gemv_kernel[(triton.cdiv(N, block_n),)](x, weight, bias if bias is not None else weight, out, N, K, x.stride(0),
-                                             weight.stride(0), out.stride(0), *lo["args"], M=M,
-                                             HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-                                             FIRST_K=first_k, GLU=glu, **lo["consts"], num_warps=num_warps,
-                                             num_stages=num_stages, **pdl(x.device))
+    main = triton.cdiv(N, block_n)
+    if codes_out is not None:
+        A, h = codes_out["A"], codes_out["out"]
+        assert M == 1 and lora is None and A.shape[-1] == K and A.stride(-1) == 1 and h.is_contiguous()
+        assert h.shape[1] == codes_parts(K) and h.shape[2] == 1
+        cargs = (A, codes_out["slot"], h, A.stride(0), A.stride(1), main)
+        cconst = dict(CODES=True, CR=codes_out["rank"], CBR=h.shape[3], CHUNK=CODES_CHUNK)
+        grid = main + h.shape[1]
+    else:
+        cargs, cconst, grid = (None, None, None, 0, 0, main), dict(CODES=False, CR=1, CBR=16, CHUNK=16), main
+    _gemv_kernel[(grid,)](x, weight, bias if bias is not None else weight, out, N, K, x.stride(0), weight.stride(0),
+                          out.stride(0), *lo["args"], *cargs, M=M, HAS_BIAS=bias is not None, BLOCK_N=block_n,
+                          BLOCK_K=block_k, FIRST_K=first_k, GLU=glu, **lo["consts"], **cconst, num_warps=num_warps,
+                          num_stages=num_stages, **pdl(x.device))
     return out
 
 

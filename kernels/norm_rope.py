@@ -94,27 +94,45 @@ if triton is not None:
 
     @triton.jit
     def _norm_codes_kernel(x_ptr, d_ptr, w_ptr, out_ptr, sum_ptr, a_ptr, slot_ptr, h_ptr, N, stride_as, stride_ar,
-                           eps, BN: tl.constexpr, HAS_DELTA: tl.constexpr, R: tl.constexpr, BR: tl.constexpr,
-                           MEMBERS: tl.constexpr, STRIDE: tl.constexpr, CPB: tl.constexpr, PDL: tl.constexpr):
+                           db_ptr, dh_ptr, stride_dbs, stride_dbr, eps, BN: tl.constexpr, HAS_DELTA: tl.constexpr,
+                           R: tl.constexpr, BR: tl.constexpr, MEMBERS: tl.constexpr, STRIDE: tl.constexpr,
+                           CPB: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, DBR: tl.constexpr,
+                           DP: tl.constexpr, DSP: tl.constexpr, PDL: tl.constexpr):
         """One row: program 0 is _rms_norm_kernel (HAS_DELTA: _add_rms_norm_kernel); program p > 0 computes the
         same normed row and, from it, CPB of the adapter's codes: code c = (p - 1) * CPB + i is member c // BR's
         rank row c % BR, h[c] = normed . A[slot, member * STRIDE + rank row] in fp32 (rows past R give 0). Its A
-        rows are read before the wait: they never depend on the kernel before."""
+        rows are read before the wait: they never depend on the kernel before.
+
+        DL (with HAS_DELTA): delta is a projection's output still without its adapter delta, whose codes are DP
+        partial sums dh [DP, DBR] (gemv's codes_out): every program adds codes @ B[slot, :DR] to it (rounded to
+        delta's dtype, as a GEMV output would be) before the residual add."""
         p = tl.program_id(0)
         n = tl.arange(0, BN)
         m = n < N
         w = tl.load(w_ptr + n, mask=m, other=0.0).to(tl.float32)
-        c = (tl.maximum(p, 1) - 1) * CPB + tl.arange(0, CPB)
-        member = c // BR
-        r = c % BR
-        cm = (member < MEMBERS) & (r < R) & (p > 0)
-        s = tl.maximum(tl.load(slot_ptr).to(tl.int64), 0)
-        a = tl.load(a_ptr + s * stride_as + (member * STRIDE + r).to(tl.int64)[:, None] * stride_ar + n[None, :],
-                    mask=cm[:, None] & m[None, :], other=0.0)
+        s = tl.load(slot_ptr).to(tl.int64)
+        has = s >= 0  # a token with no adapter: no delta (its codes, of slot 0, go unused)
+        s = tl.maximum(s, 0)
+        if MEMBERS > 0:
+            c = (tl.maximum(p, 1) - 1) * CPB + tl.arange(0, CPB)
+            member = c // BR
+            r = c % BR
+            cm = (member < MEMBERS) & (r < R) & (p > 0)
+            a = tl.load(a_ptr + s * stride_as + (member * STRIDE + r).to(tl.int64)[:, None] * stride_ar + n[None, :],
+                        mask=cm[:, None] & m[None, :], other=0.0)
         wait_prior(PDL)
         x = tl.load(x_ptr + n, mask=m, other=0.0).to(tl.float32)
         if HAS_DELTA:
             d = tl.load(d_ptr + n, mask=m, other=0.0).to(tl.float32)
+            if DL:
+                j = tl.arange(0, DSP)
+                rr = tl.arange(0, DBR)
+                dcodes = tl.sum(tl.load(dh_ptr + j[:, None] * DBR + rr[None, :], mask=(j < DP)[:, None], other=0.0), 0)
+                for i in tl.static_range(DR):  # one rank row of B at a time: [BN] each, not [DR, BN] at once
+                    code = tl.sum(tl.where(rr == i, dcodes, 0.0), 0)
+                    d += code * tl.load(db_ptr + s * stride_dbs + i * stride_dbr + n, mask=m & has,
+                                        other=0.0).to(tl.float32)
+                d = d.to(d_ptr.dtype.element_ty).to(tl.float32)
             x = (x + d).to(sum_ptr.dtype.element_ty)
             if p == 0:
                 tl.store(sum_ptr + n, x, mask=m)
@@ -126,7 +144,7 @@ if triton is not None:
             y = (w * (x * rs).to(x_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty)
         if p == 0:
             tl.store(out_ptr + n, y, mask=m)
-        else:
+        elif MEMBERS > 0:
             h = tl.sum(a.to(tl.float32) * y.to(tl.float32)[None, :], 1)
             tl.store(h_ptr + c, h, mask=member < MEMBERS)
 
@@ -212,14 +230,14 @@ def rms_norm(x, weight, eps, codes=None):
     return out.view(shape)
 
 
-def add_rms_norm(x, delta, weight, eps, codes=None):
+def add_rms_norm(x, delta, weight, eps, codes=None, delta_lora=None):
     """The residual add and the RMSNorm after it in one launch: x, delta [..., N] (rows may be wider) ->
     (normed, summed), summed = x + delta in their promoted dtype, rounded once as torch's add rounds it, and
     normed = rms_norm(summed, weight, eps) by rms_norm's arithmetic: the decoder's `x = x + h; norm(x)` without the
     add's own kernel and its round trip through memory. For passes without autograd. (Under TRITON_INTERPRET=1 a
     bf16 sum may sit one ulp towards zero: the interpreter truncates fp32 -> bf16 casts.)"""
-    if codes is not None:
-        return _norm_codes(x, delta, weight, eps, codes)
+    if codes is not None or delta_lora is not None:
+        return _norm_codes(x, delta, weight, eps, codes, delta_lora)
     shape = x.shape
     assert delta.shape == shape, (delta.shape, shape)
     x2, d2 = _rows(x), _rows(delta)
@@ -236,30 +254,51 @@ def add_rms_norm(x, delta, weight, eps, codes=None):
 CODES_PER_PROGRAM = 4
 
 
-def _norm_codes(x, delta, weight, eps, codes):
+def _norm_codes(x, delta, weight, eps, codes, delta_lora=None):
     """rms_norm / add_rms_norm of ONE row with an adapter's codes for the projections that take the normed row, in
     the same launch (a batch-1 decode step then needs no lora_shrink launch between the norm and the GEMV that adds
     the delta: dark.kernels.gemv's `lora`). codes: {"A": factors [slots, rows, N] (unit stride along N), "slot": a
     1-element integer device tensor (-1: none; the codes are then those of slot 0, and unused), "rank",
     "members", "stride": the rows between members' first rank rows, "out": [1, 1, members, BR] fp32, filled
     with member m's rank row r at [0, 0, m, r] (zero for r >= rank): lora_shrink's layout with one split}.
-    Sets codes["written"] = True. Returns what rms_norm / add_rms_norm return."""
+    Sets codes["written"] = True.
+
+    delta_lora (add_rms_norm only; codes may be None): delta is a projection's output without its adapter's
+    delta, which is added here first: {"out": its codes [1, parts, 1, BR] (partial sums: gemv's codes_out), "B":
+    [slots, rows, N], "slot", "rank"}. Returns what rms_norm / add_rms_norm return."""
     N = x.shape[-1]
     assert x.numel() == N and (delta is None or delta.shape == x.shape), "codes with the norm: one row only"
-    A, h = codes["A"], codes["out"]
-    members, br = h.shape[2], h.shape[3]
-    assert A.stride(-1) == 1 and A.shape[-1] == N and h.is_contiguous() and members == codes["members"]
+    assert delta_lora is None or delta is not None, "an adapter's delta needs the residual add"
     x2 = _rows(x)
     d2 = _rows(delta) if delta is not None else x2
     dtype = torch.promote_types(x.dtype, delta.dtype) if delta is not None else x.dtype
     summed = torch.empty(x2.shape, device=x.device, dtype=dtype) if delta is not None else x2
     out = torch.empty(x2.shape, device=x.device, dtype=torch.promote_types(weight.dtype, dtype))
-    programs = triton.cdiv(members * br, CODES_PER_PROGRAM)
-    _norm_codes_kernel[(1 + programs,)](x2, d2, weight, out, summed, A, codes["slot"], h, N, A.stride(0), A.stride(1),
-                                        eps, BN=triton.next_power_of_2(N), HAS_DELTA=delta is not None,
-                                        R=codes["rank"], BR=br, MEMBERS=members, STRIDE=codes["stride"],
-                                        CPB=CODES_PER_PROGRAM, num_warps=8, **pdl(x.device))
-    codes["written"] = True
+    if codes is not None:
+        A, h = codes["A"], codes["out"]
+        members, br = h.shape[2], h.shape[3]
+        assert A.stride(-1) == 1 and A.shape[-1] == N and h.is_contiguous() and members == codes["members"]
+        programs = triton.cdiv(members * br, CODES_PER_PROGRAM)
+        cargs = (A, codes["slot"], h, A.stride(0), A.stride(1))
+        cconst = dict(R=codes["rank"], BR=br, MEMBERS=members, STRIDE=codes["stride"])
+    else:
+        programs, cargs, cconst = 0, (weight, delta_lora["slot"], None, 0, 0), dict(R=1, BR=16, MEMBERS=0, STRIDE=0)
+    if delta_lora is not None:
+        B, dh = delta_lora["B"], delta_lora["out"]
+        assert B.stride(-1) == 1 and B.shape[-1] == N and dh.is_contiguous() and dh.shape[2] == 1
+        if codes is not None:
+            assert delta_lora["slot"] is codes["slot"] or torch.equal(delta_lora["slot"], codes["slot"])
+        dargs = (B, dh, B.stride(0), B.stride(1))
+        dconst = dict(DL=True, DR=delta_lora["rank"], DBR=dh.shape[3], DP=dh.shape[1],
+                      DSP=triton.next_power_of_2(dh.shape[1]))
+    else:
+        dargs, dconst = (None, None, 0, 0), dict(DL=False, DR=1, DBR=16, DP=1, DSP=1)
+    a, slot, h, stride_as, stride_ar = cargs
+    _norm_codes_kernel[(1 + programs,)](x2, d2, weight, out, summed, a, slot, h, N, stride_as, stride_ar, *dargs, eps,
+                                        BN=triton.next_power_of_2(N), HAS_DELTA=delta is not None, **cconst,
+                                        CPB=CODES_PER_PROGRAM, **dconst, num_warps=8, **pdl(x.device))
+    if codes is not None:
+        codes["written"] = True
     if delta is None:
         return out.view(x.shape)
     return out.view(x.shape), summed.view(x.shape)

@@ -538,11 +538,12 @@ def test_dependent_launch_chain_in_a_cuda_graph():
 
 def test_adapter_codes_chain_under_dependent_launch():
     """A batch of one with an adapter, Qwen2.5-7B shapes: the norms and the attention's merge write the codes that
-    the GEMVs after them add (no lora_shrink), in a CUDA graph under programmatic dependent launch, replayed on new
+    the GEMVs after them add, down_proj's GEMV writes its codes and the next norm adds its delta (no lora_shrink),
+    in a CUDA graph under programmatic dependent launch, replayed on new
     inputs: bit for bit the ordinary launches, and near the plain-torch math (a kernel reading its input before its
     wait, or the codes before they are written, would not be)."""
     from dark.kernels import dependent_launch
-    from dark.kernels.gemv import gemv
+    from dark.kernels.gemv import codes_parts, gemv
     from dark.kernels.paged_attention import paged_decode
     from dark.kernels.norm_rope import add_rms_norm, rms_norm
 
@@ -553,6 +554,9 @@ def test_adapter_codes_chain_under_dependent_launch():
     w_o = (torch.randn(hidden, hidden, device="cuda", generator=g) * 0.02).bfloat16()
     A_gu = (torch.randn(2, 2 * r, hidden, device="cuda", generator=g) * 0.02).bfloat16()
     B_gu = (torch.randn(2, r, 2 * inter, device="cuda", generator=g) * 0.02).bfloat16()
+    w_down = (torch.randn(hidden, inter, device="cuda", generator=g) * 0.02).bfloat16()
+    A_d = (torch.randn(2, r, inter, device="cuda", generator=g) * 0.02).bfloat16()
+    B_d = (torch.randn(2, r, hidden, device="cuda", generator=g) * 0.02).bfloat16()
     A_o = (torch.randn(2, r, hidden, device="cuda", generator=g) * 0.02).bfloat16()
     B_o = (torch.randn(2, r, hidden, device="cuda", generator=g) * 0.02).bfloat16()
     kc = torch.randn(40, 16, 4, D, device="cuda", generator=g).bfloat16()
@@ -570,9 +574,15 @@ def test_adapter_codes_chain_under_dependent_launch():
         att = paged_decode(q + act[:, :H * D].view(1, H, D), kc, vc, tables, ctx, 0.09, codes=co).reshape(1, H * D)
         o = gemv(att, w_o, lora={"h": co["out"], "B": B_o, "slot": slot, "rank": r})
         cg2 = {**cg, "out": torch.empty(1, 1, 2, 16, device="cuda")}
-        h, _ = add_rms_norm(x, o, norm_w, 1e-6, cg2)
-        return gemv(h, w_gu, glu=True, lora={"h": cg2["out"], "B": B_gu, "slot": slot, "rank": r,
-                                              "splits": [inter, inter]})
+        h, x = add_rms_norm(x, o, norm_w, 1e-6, cg2)
+        act = gemv(h, w_gu, glu=True, lora={"h": cg2["out"], "B": B_gu, "slot": slot, "rank": r,
+                                             "splits": [inter, inter]})
+        # down_proj: its GEMV writes the codes, the next norm adds the delta (with the next codes)
+        cd = {"A": A_d, "B": B_d, "slot": slot, "rank": r, "out": torch.empty(1, codes_parts(inter), 1, 16, device="cuda")}
+        d = gemv(act, w_down, codes_out=cd)
+        cg3 = {**cg, "out": torch.empty(1, 1, 2, 16, device="cuda")}
+        h, _ = add_rms_norm(x, d, norm_w, 1e-6, cg3, delta_lora=cd)
+        return h, cg3["out"]
 
     inputs = [(torch.randn(1, hidden, device="cuda", generator=g).bfloat16(),
                torch.randn(1, H, D, device="cuda", generator=g).bfloat16()) for _ in range(4)]
@@ -587,7 +597,8 @@ def test_adapter_codes_chain_under_dependent_launch():
         x0.copy_(x)
         q0.copy_(q)
         graph.replay()
-        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        for got, want in zip(out, ref):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
     # the first GEMV's output (the adapter's delta with SiLU * up) against plain torch, fp32 on the same inputs
     x = inputs[-1][0]
     hn = rms_norm(x, norm_w, 1e-6).float()

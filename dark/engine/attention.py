@@ -120,7 +120,7 @@ class PagedDecodeAttention:
         pa = kernel_module("paged_attention")
         kc, vc = self.cache.data[layer, 0], self.cache.data[layer, 1]
         pa.store_kv(k, v, kc, vc, self.slot_mapping)
-        return pa.paged_decode(q, kc, vc, self.block_tables, self.ctx_lens, self.scale, self.splits, codes=codes)
+        return pa.paged_decode(q, kc, vc, self.block_tables, self.ctx_lens, self.scale, self.splits)
 
     def attend_fused_qkv(self, layer: int, y: torch.Tensor, nh: int, nkv: int, d: int, cos: torch.Tensor,
                          sin: torch.Tensor, codes: dict | None = None) -> torch.Tensor:

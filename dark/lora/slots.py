@@ -110,7 +110,7 @@ class SlotLoRA:
         self.r = max(slots.rank[s] for s in active)
         self.uniform = token_slots is None
         self.kernel_slots = self.kernel_segments = None
-        self._codes = {}
+        self._codes, self._deferred = {}, None
         if not self.uniform:
             ids = torch.tensor(active, device=token_slots.device)
             self.index = ids
@@ -126,7 +126,7 @@ class SlotLoRA:
         lora.slots, lora.active, lora.token_slots, lora.uniform = slots, None, None, False
         lora.kernel_slots, lora.r = token_slots, slots.kernel_rank()
         lora.kernel_segments = kernel_module("lora").lora_segments(token_slots, slots.num_slots)
-        lora._codes = {}
+        lora._codes, lora._deferred = {}, None
         return lora
 
     def norm_codes(self, layer: int, key: str, x: torch.Tensor, parts: int = 1) -> dict | None:
@@ -150,6 +150,29 @@ class SlotLoRA:
         spec = {"A": A, "slot": self.kernel_slots, "rank": self.r, "members": members, "stride": stride,
                 "out": torch.empty(1, parts, members, br, device=A.device, dtype=torch.float32)}
         self._codes[(layer, key)] = spec
+        return spec
+
+    def defer_codes(self, layer: int, key: str, x: torch.Tensor) -> dict | None:
+        """A batch of one on the kernel path: the projection's GEMV computes only the codes of its adapter (gemv's
+        codes_out, in programs beside the product's) and the delta is added by the residual add's norm after it
+        (add_rms_norm's delta_lora), which takes it with take_deferred: a lora_shrink launch fewer (down_proj).
+        None off that path, or with no factors there. DARK_NORM_CODES=0: never."""
+        if (self.kernel_slots is None or self.kernel_segments.dim() != 1 or x.shape[0] != 1
+                or os.environ.get("DARK_NORM_CODES", "1") == "0"):
+            return None
+        A = self.slots.A.get((layer, key))
+        if A is None:
+            return None
+        assert self._deferred is None, "a deferred delta was never added"
+        br = max(16, 1 << (self.r - 1).bit_length())
+        parts = kernel_module("gemv").codes_parts(x.shape[1])
+        self._deferred = {"A": A, "B": self.slots.B[(layer, key)], "slot": self.kernel_slots, "rank": self.r,
+                          "out": torch.empty(1, parts, 1, br, device=A.device, dtype=torch.float32)}
+        return self._deferred
+
+    def take_deferred(self) -> dict | None:
+        """The delta defer_codes left for the next residual add's norm (its delta_lora), once."""
+        spec, self._deferred = self._deferred, None
         return spec
 
     def gemv_lora(self, layer: int, key: str, x: torch.Tensor, group: bool = False):

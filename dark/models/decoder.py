@@ -177,6 +177,12 @@ def _norm_codes(lora, layer: int, key: str, x: torch.Tensor, parts: int = 1) -> 
     return fn(layer, key, x, parts)
 
 
+def _take_deferred(lora) -> dict | None:
+    """The adapter delta a layer's down_proj left for the next residual add's norm (SlotLoRA.defer_codes)."""
+    fn = getattr(lora, "take_deferred", None)
+    return fn() if fn is not None else None
+
+
 def _project_lora(x, weight, bias, fused: bool, lora, layer: int, key: str, group: bool = False) -> torch.Tensor:
     """_project plus the adapter's delta (lora.apply / apply_group); for one token on the kernel path, in the GEMV."""
     if _gemv_applies(x, fused):
@@ -222,12 +228,15 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def add_forward(self, x: torch.Tensor, delta: torch.Tensor, codes: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor, codes: dict | None = None,
+                    delta_lora: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(x + delta), x + delta): one launch of the Triton add_rms_norm in passes without autograd with the
         fused kernels on (the add's values, and rms_norm's of them), else the add, then forward. codes: as in
-        forward."""
+        forward; delta_lora: an adapter delta still to be added to delta (SlotLoRA.defer_codes; only ever made on
+        the fused path)."""
         if self.fused and not torch.is_grad_enabled():
-            return kernel_module("norm_rope").add_rms_norm(x, delta, self.weight, self.eps, codes)
+            return kernel_module("norm_rope").add_rms_norm(x, delta, self.weight, self.eps, codes, delta_lora)
+        assert delta_lora is None, "an adapter delta left for the norm off the kernel path"
         x = x + delta
         return self(x), x
 
@@ -324,12 +333,20 @@ class MLP(nn.Module):
         self.gate_up = None  # (weight, bias) of gate and up in one, once CausalLM.fuse_projections ran
         self.fused = False   # CausalLM.use_fused_kernels
 
-    def forward(self, x, lora: LoRA | None):
+    def forward(self, x, lora: LoRA | None, defer: bool = False):
+        """defer (a batch of one on the kernel path, DecoderLayer's defer): down_proj's adapter delta may be left
+        for the next residual add's norm to add (SlotLoRA.defer_codes): the output then lacks it."""
         if self.gate_up is not None and _grouped(lora):
             if self.gate_up[1] is None and _gemv_applies(x, self.fused):
                 ep = _gemv_lora(lora, self.layer, "gate_up", x, group=True)
                 if ep is not False:  # one token: the GEMV adds the adapter's delta and gives silu(gate) * up itself
-                    return self.down_proj(kernel_module("gemv").gemv(x, self.gate_up[0], glu=True, lora=ep), lora)
+                    act = kernel_module("gemv").gemv(x, self.gate_up[0], glu=True, lora=ep)
+                    down = self.down_proj
+                    fn = getattr(lora, "defer_codes", None)
+                    spec = fn(self.layer, "down_proj", act) if defer and fn is not None and down.bias is None else None
+                    if spec is not None:
+                        return kernel_module("gemv").gemv(act, down.weight, codes_out=spec)
+                    return down(act, lora)
             y = _project_lora(x, *self.gate_up, self.fused, lora, self.layer, "gate_up", group=True)
             if self.fused:  # silu(gate) * up in one launch (and one for its backward)
                 kernels = kernel_module("norm_rope")
@@ -360,11 +377,11 @@ class DecoderLayer(nn.Module):
         codes = _norm_codes(lora, layer, "qkv", x)
         if pending is None:
             h = self.input_layernorm(x, codes)
-        else:
-            h, x = self.input_layernorm.add_forward(x, pending, codes)
+        else:  # the previous MLP's output, with its down_proj's adapter delta if that was left to this norm
+            h, x = self.input_layernorm.add_forward(x, pending, codes, _take_deferred(lora))
         out = self.self_attn(h, cos, sin, attn, lora)
         h, x = self.post_attention_layernorm.add_forward(x, out, _norm_codes(lora, layer, "gate_up", x))
-        return x, self.mlp(h, lora)
+        return x, self.mlp(h, lora, defer=True)
 
 
 class Backbone(nn.Module):
@@ -422,7 +439,9 @@ class CausalLM(nn.Module):
             pending = None
             for layer in self.model.layers:
                 x, pending = layer(x, cos, sin, attn, lora, pending, True)
-            return self.model.norm(x) if pending is None else self.model.norm.add_forward(x, pending)[0]
+            if pending is None:
+                return self.model.norm(x)
+            return self.model.norm.add_forward(x, pending, delta_lora=_take_deferred(lora))[0]
         remat = checkpoint and torch.is_grad_enabled()
         for layer in self.model.layers:
             if remat:
