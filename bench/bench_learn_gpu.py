@@ -422,7 +422,11 @@ def bench_learn_latency(llm, args, report, save) -> None:
             fig = {"k": k, "job": job_no, "adapter": name, "example_tokens": toks, "finished": ok,
                    "state": last.get("state"), "error": job.error, "submit_return_s": round(t_sub, 3),
                    "to_running_s": round(first_run, 3) if first_run is not None else None, "step_events_s": steps_at,
-                   "to_done_s": round(t_end, 3) if ok else None, "version": rep.get("version"),
+                   "to_done_s": round(t_end, 3) if ok else None,
+                   # submit -> the new version serves (saved and recorded before); "done" comes after the
+                   # optimizer's moments leave the device and the job's row is updated
+                   "to_published_s": round(job.published_at - t0, 3) if ok and job.published_at else None,
+                   "version": rep.get("version"),
                    "steps": rep.get("steps"), "verified": rep.get("verified"),
                    "job_seconds": rep.get("seconds"), "train_seconds": rep.get("train_seconds"),
                    "timings": rep.get("timings")}

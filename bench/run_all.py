@@ -332,11 +332,14 @@ def dark_parts(run: Run, llm) -> None:
     def correction():
         bench_learn_latency(llm, train_args, sub, run.save)
         jobs = sub["learn"]
-        warm = [j for j in jobs if j["job"] == 2 and j["to_done_s"] is not None]
+        warm = [j for j in jobs if j["job"] == 2 and j["to_published_s"] is not None]
         if not warm:
             raise RuntimeError(f"no second job finished: {jobs}")
-        run.fig("correction_to_publish_s", warm[0]["to_done_s"])
-        run.fig("correction_first_job_s", jobs[0]["to_done_s"])
+        # to the moment the new version serves (it is on disk and recorded before); the job's "done" event
+        # follows once the optimizer's moments are off the device
+        run.fig("correction_to_publish_s", warm[0]["to_published_s"])
+        run.fig("correction_to_done_s", warm[0]["to_done_s"])
+        run.fig("correction_first_job_s", jobs[0]["to_published_s"])
     run.part("correction", correction)
 
     def correction_profile():

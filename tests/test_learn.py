@@ -86,9 +86,11 @@ def test_generation_streams_while_a_job_runs(llm):
     reader.start()
     while len(token_times) < 3:
         time.sleep(0.01)
+    submitted = time.perf_counter()
     job = llm.submit_learn([{"prompt": "What colour is the sky on Zorb?", "response": "green"}], adapter="zorb",
                            on_event=lambda e: events.append((time.monotonic(), e)))
     job.wait(600)
+    assert submitted < job.published_at < time.perf_counter()  # when its version began to serve
     reader.join()
     started = next(t for t, e in events if e["state"] == "running")
     ended = next(t for t, e in events if e["state"] == "done")

@@ -68,6 +68,7 @@ class LearnJob:
         self.state = "queued"
         self.report: dict | None = None
         self.error: str | None = None
+        self.published_at: float | None = None  # time.perf_counter() when its version began to serve
         self._listeners = [on_event] if on_event else []
         self._done = threading.Event()
 
@@ -321,6 +322,7 @@ class Learner:
                       "train_seconds": round(result.seconds, 3),
                       "examples": len(mine)}
             self.publish(name, version, result.weights, parent, report, marks)
+            job.published_at = marks["published"]
             # the moments leave the device after the version is out, stay in memory for this adapter's next job
             # (same thread), and go to disk after that: a crash in between costs a fresh optimizer state, never
             # a version
