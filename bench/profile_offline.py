@@ -178,6 +178,26 @@ def steady(llm, clock: StepClock, batch: int, ctx: int, steps: int, adapters=Non
     return r
 
 
+def adapter_variants(llm, clock: StepClock) -> list[dict]:
+    """Batch 1 with one adapter under other tilings of the kernels that carry its delta (module knobs of
+    dark.kernels.gemv / norm_rope, graphs captured anew for each): ms a step against the defaults."""
+    from dark.models.decoder import kernel_module
+
+    gemv, norm = kernel_module("gemv"), kernel_module("norm_rope")
+    defaults = (gemv.GLU_LORA_BLOCK_N, norm.CODES_PER_PROGRAM, norm.CODES_WARPS)
+    out = []
+    for glu_bn, cpb, warps in [defaults, (4, 4, 8), (8, 4, 8), (None, 4, 4), (None, 8, 8), (None, 2, 4), defaults]:
+        gemv.GLU_LORA_BLOCK_N, norm.CODES_PER_PROGRAM, norm.CODES_WARPS = glu_bn, cpb, warps
+        llm.engine.runner.set_fast(True)
+        r = steady(llm, clock, 1, 128, 60, [("a0", 1)])
+        out.append({"glu_lora_block_n": glu_bn, "codes_per_program": cpb, "codes_warps": warps,
+                    "wall_ms_per_step": r["wall_ms_per_step"]})
+        print("variant", json.dumps(out[-1]), flush=True)
+    gemv.GLU_LORA_BLOCK_N, norm.CODES_PER_PROGRAM, norm.CODES_WARPS = defaults
+    llm.engine.runner.set_fast(True)
+    return out
+
+
 def offline(llm, clock: StepClock, n: int) -> dict:
     from dark.engine.runner import GRAPH_BUCKETS
 
@@ -261,6 +281,7 @@ def main() -> None:
                 report["adapter"].append({**steady(llm, clock, 1, 128, 60, [("a0", 1)]), "norm_codes": False})
                 del os.environ["DARK_NORM_CODES"]
                 llm.engine.runner.set_fast(True)
+                report["adapter_variants"] = adapter_variants(llm, clock)
                 report["adapter"] += [steady(llm, clock, 64, 128, 30),
                                       steady(llm, clock, 64, 128, 30, [(f"a{i}", 1) for i in range(32)])]
         finally:

@@ -182,6 +182,9 @@ def config(n: int, k: int, glu: bool = False) -> tuple[int, int, int, int]:
 
 # the K range of one codes program (gemv's codes_out)
 CODES_CHUNK = 512
+# rows of each half a program of the gate/up GEMV takes when it adds an adapter's delta (None: config's; a knob for
+# bench/profile_offline.py's A/B: more rows a program, fewer programs paying the delta's fixed work)
+GLU_LORA_BLOCK_N: int | None = None
 
 
 def codes_parts(k: int) -> int:
@@ -214,6 +217,8 @@ def gemv(x, weight, bias=None, block_n: int | None = None, block_k: int | None =
     N = weight.shape[0] // 2 if glu else weight.shape[0]
     assert weight.shape[1] == K and weight.stride(1) == 1 and not (glu and (bias is not None or weight.shape[0] % 2))
     bn, bk, nw, fk = config(N, K, glu)
+    if glu and lora is not None and GLU_LORA_BLOCK_N:
+        bn = GLU_LORA_BLOCK_N
     explicit_n = block_n
     block_n, block_k, num_warps = block_n or bn, block_k or bk, num_warps or nw
     first_k = min(first_k or (fk if block_k == bk else block_k), triton.next_power_of_2(K))  # no wider than a row

@@ -250,8 +250,9 @@ def add_rms_norm(x, delta, weight, eps, codes=None, delta_lora=None):
     return out.view(shape), summed.view(shape)
 
 
-# codes a program of _norm_codes_kernel computes
+# codes a program of _norm_codes_kernel computes, and its warps (knobs for bench/profile_offline.py's A/B)
 CODES_PER_PROGRAM = 4
+CODES_WARPS = 8
 
 
 def _norm_codes(x, delta, weight, eps, codes, delta_lora=None):
@@ -296,7 +297,7 @@ def _norm_codes(x, delta, weight, eps, codes, delta_lora=None):
     a, slot, h, stride_as, stride_ar = cargs
     _norm_codes_kernel[(1 + programs,)](x2, d2, weight, out, summed, a, slot, h, N, stride_as, stride_ar, *dargs, eps,
                                         BN=triton.next_power_of_2(N), HAS_DELTA=delta is not None, **cconst,
-                                        CPB=CODES_PER_PROGRAM, **dconst, num_warps=8, **pdl(x.device))
+                                        CPB=CODES_PER_PROGRAM, **dconst, num_warps=CODES_WARPS, **pdl(x.device))
     if codes is not None:
         codes["written"] = True
     if delta is None:

@@ -1006,3 +1006,33 @@ def test_gemv_codes_out_and_the_norm_that_adds_the_delta(dtype, tol, K, rank, sl
         from dark.kernels.norm_rope import _norm_codes
 
         _norm_codes(resid, None, norm_w, 1e-6, None, spec)
+
+
+def test_adapter_kernel_tilings_agree(monkeypatch):
+    """The tilings bench/profile_offline.py compares (rows a program of the gate/up GEMV with an adapter, codes and
+    warps a program of the norm that writes codes) give the default tiling's results."""
+    from dark.kernels import gemv as gemv_mod
+    from dark.kernels import norm_rope
+    from dark.kernels.gemv import gemv
+
+    g = torch.Generator().manual_seed(5)
+    K, N, r = 96, 40, 4
+    x = torch.randn(1, K, generator=g).to(DEV)
+    w = (torch.randn(2 * N, K, generator=g) / K ** 0.5).to(DEV)
+    norm_w = torch.rand(K, generator=g).add(0.5).to(DEV)
+    A = (torch.randn(2, 2 * r, K, generator=g) / K ** 0.5).to(DEV)
+    B = torch.randn(2, r, 2 * N, generator=g).to(DEV)
+    slot = torch.tensor([1], dtype=torch.int32, device=DEV)
+
+    def run():
+        codes = {"A": A, "slot": slot, "rank": r, "members": 2, "stride": r, "out": torch.empty(1, 1, 2, 16, device=DEV)}
+        h = norm_rope.rms_norm(x, norm_w, 1e-6, codes)
+        return gemv(h, w, glu=True, lora={"h": codes["out"], "B": B, "slot": slot, "rank": r, "splits": [N, N]}), codes["out"]
+
+    ref, ref_codes = run()
+    monkeypatch.setattr(gemv_mod, "GLU_LORA_BLOCK_N", 4)
+    monkeypatch.setattr(norm_rope, "CODES_PER_PROGRAM", 2)
+    monkeypatch.setattr(norm_rope, "CODES_WARPS", 4)
+    out, codes = run()
+    torch.testing.assert_close(codes, ref_codes, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
