@@ -59,7 +59,8 @@ class AdapterWeights:
             for (layer, module), (a, b) in self.tensors.items():
                 prefix = "base_model.model." + (
                     "lm_head" if module == "lm_head" else f"model.layers.{layer}.{_block(module)}.{module}")
-                # in the precision they were trained in (bf16 on a GPU): float32 would only double the bytes
+                # in the precision they are held in (fp32 from dark's trainer, whose factors train in fp32 on any
+                # device; bf16 or fp16 factors loaded from elsewhere stay as they are)
                 state[f"{prefix}.lora_A.weight"] = _stored(a)
                 state[f"{prefix}.lora_B.weight"] = _stored(b)
             save_file(state, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
