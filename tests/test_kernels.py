@@ -963,10 +963,10 @@ def test_paged_decode_merge_writes_codes(dtype, tol, slot, rank):
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("K,rank,slot", [(1100, 6, 1), (512, 8, -1)])
 def test_gemv_codes_out_and_the_norm_that_adds_the_delta(dtype, tol, K, rank, slot):
-    """down_proj with an adapter at batch 1, its delta left to the next norm: the GEMV with codes_out gives the
-    plain GEMV's output and lora_shrink's codes (partial sums over K ranges); add_rms_norm with delta_lora then
-    equals add_rms_norm of the GEMV that added the delta itself (the same sum, rounded once more), and the
-    reference; with slot -1 it is the plain add_rms_norm."""
+    """down_proj with an adapter at batch 1, its delta left to the next norm: the GEMV with codes_out (and a
+    bias) gives the plain GEMV's output and lora_shrink's codes (partial sums over K ranges); add_rms_norm with
+    delta_lora then equals add_rms_norm of the GEMV that added the delta itself (the same sum, rounded once
+    more), and the reference; with slot -1 it is the plain add_rms_norm."""
     from dark.kernels.gemv import codes_parts, gemv
     from dark.kernels.lora import lora_shrink
     from dark.kernels.norm_rope import add_rms_norm, add_rms_norm_reference
@@ -980,13 +980,14 @@ def test_gemv_codes_out_and_the_norm_that_adds_the_delta(dtype, tol, K, rank, sl
     A, B = A.to(DEV, dtype), B.to(DEV, dtype)
     x = torch.randn(1, K, generator=g).to(DEV, dtype)
     w = (torch.randn(N, K, generator=g) / K ** 0.5).to(DEV, dtype)
+    bias = torch.randn(N, generator=g).to(DEV, dtype) if slot >= 0 else None  # down_proj with a bias too
     resid = torch.randn(1, N, generator=g).to(DEV, dtype)
     norm_w = torch.rand(N, generator=g).add(0.5).to(DEV, dtype)
     slots = torch.tensor([slot], dtype=torch.int32, device=DEV)
     spec = {"A": A, "B": B, "slot": slots, "rank": rank,
             "out": torch.full((1, codes_parts(K), 1, 16), float("nan"), device=DEV)}
-    y = gemv(x, w, codes_out=spec)
-    assert _near_kernel_math(y, gemv(x, w))
+    y = gemv(x, w, bias, codes_out=spec)
+    assert _near_kernel_math(y, gemv(x, w, bias))
     h = spec["out"]
     assert torch.isfinite(h).all() and (h[..., rank:] == 0).all()
     shrunk = lora_shrink(x, A, torch.tensor([max(slot, 0)], device=DEV), rank).sum(1, keepdim=True)
@@ -996,10 +997,10 @@ def test_gemv_codes_out_and_the_norm_that_adds_the_delta(dtype, tol, K, rank, sl
         plain = add_rms_norm(resid, y, norm_w, 1e-6)
         assert _near_kernel_math(normed, plain[0]) and torch.equal(summed, plain[1])
         return
-    full = x.float() @ w.float().T + (x.float() @ A[slot, :rank].float().T) @ B[slot, :rank].float()
+    full = x.float() @ w.float().T + bias.float() + (x.float() @ A[slot, :rank].float().T) @ B[slot, :rank].float()
     ref_normed, ref_summed = add_rms_norm_reference(resid.float(), full, norm_w.float(), 1e-6)
     assert rel_err(summed.float().cpu(), ref_summed.cpu()) < tol and rel_err(normed.float().cpu(), ref_normed.cpu()) < tol
-    one = gemv(x, w, lora={"h": lora_shrink(x, A, slots, rank), "B": B, "slot": slots, "rank": rank})
+    one = gemv(x, w, bias, lora={"h": lora_shrink(x, A, slots, rank), "B": B, "slot": slots, "rank": rank})
     both = add_rms_norm(resid, one, norm_w, 1e-6)
     torch.testing.assert_close(summed.float(), both[1].float(), rtol=tol, atol=tol)
     with pytest.raises(AssertionError, match="residual add"):

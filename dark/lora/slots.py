@@ -134,8 +134,7 @@ class SlotLoRA:
         projection, which the kernel before it fills in its own launch (the norm: kernels.norm_rope's `codes`;
         the attention's merge: paged_decode's, in `parts` partial sums); gemv_lora then takes them instead of
         launching lora_shrink. None off that path, or with no factors there. DARK_NORM_CODES=0: never."""
-        if (self.kernel_slots is None or self.kernel_segments.dim() != 1 or x.shape[0] != 1
-                or os.environ.get("DARK_NORM_CODES", "1") == "0"):
+        if not self._early_codes(x):
             return None
         if key in MEMBERS:
             entry = self.slots.groups.get((layer, key))
@@ -146,28 +145,33 @@ class SlotLoRA:
             A, members, stride = self.slots.A.get((layer, key)), 1, 0
             if A is None:
                 return None
-        br = max(16, 1 << (self.r - 1).bit_length())
         spec = {"A": A, "slot": self.kernel_slots, "rank": self.r, "members": members, "stride": stride,
-                "out": torch.empty(1, parts, members, br, device=A.device, dtype=torch.float32)}
+                "out": self._code_buffer(parts, members, A.device)}
         self._codes[(layer, key)] = spec
         return spec
+
+    def _early_codes(self, x: torch.Tensor) -> bool:
+        """Whether the codes of x's projections may come from a kernel other than lora_shrink (norm_codes,
+        defer_codes): a batch of one on the kernel path, unless DARK_NORM_CODES=0."""
+        return (self.kernel_slots is not None and self.kernel_segments.dim() == 1 and x.shape[0] == 1
+                and os.environ.get("DARK_NORM_CODES", "1") != "0")
+
+    def _code_buffer(self, parts: int, members: int, device: torch.device) -> torch.Tensor:
+        """Codes as lora_shrink lays them out for one token: [1, parts, members, BR] fp32."""
+        br = max(16, 1 << (self.r - 1).bit_length())
+        return torch.empty(1, parts, members, br, device=device, dtype=torch.float32)
 
     def defer_codes(self, layer: int, key: str, x: torch.Tensor) -> dict | None:
         """A batch of one on the kernel path: the projection's GEMV computes only the codes of its adapter (gemv's
         codes_out, in programs beside the product's) and the delta is added by the residual add's norm after it
         (add_rms_norm's delta_lora), which takes it with take_deferred: a lora_shrink launch fewer (down_proj).
         None off that path, or with no factors there. DARK_NORM_CODES=0: never."""
-        if (self.kernel_slots is None or self.kernel_segments.dim() != 1 or x.shape[0] != 1
-                or os.environ.get("DARK_NORM_CODES", "1") == "0"):
-            return None
-        A = self.slots.A.get((layer, key))
+        A = self.slots.A.get((layer, key)) if self._early_codes(x) else None
         if A is None:
             return None
         assert self._deferred is None, "a deferred delta was never added"
-        br = max(16, 1 << (self.r - 1).bit_length())
-        parts = kernel_module("gemv").codes_parts(x.shape[1])
         self._deferred = {"A": A, "B": self.slots.B[(layer, key)], "slot": self.kernel_slots, "rank": self.r,
-                          "out": torch.empty(1, parts, 1, br, device=A.device, dtype=torch.float32)}
+                          "out": self._code_buffer(kernel_module("gemv").codes_parts(x.shape[1]), 1, A.device)}
         return self._deferred
 
     def take_deferred(self) -> dict | None:

@@ -177,6 +177,13 @@ def _norm_codes(lora, layer: int, key: str, x: torch.Tensor, parts: int = 1) -> 
     return fn(layer, key, x, parts)
 
 
+def _defer_codes(lora, layer: int, key: str, x: torch.Tensor) -> dict | None:
+    """For a batch of one on the kernel path: the codes a projection's GEMV writes for the next residual add's norm
+    to add its adapter's delta (SlotLoRA.defer_codes); None: the GEMV adds it itself, or there is none."""
+    fn = getattr(lora, "defer_codes", None)
+    return fn(layer, key, x) if fn is not None else None
+
+
 def _take_deferred(lora) -> dict | None:
     """The adapter delta a layer's down_proj left for the next residual add's norm (SlotLoRA.defer_codes)."""
     fn = getattr(lora, "take_deferred", None)
@@ -341,12 +348,10 @@ class MLP(nn.Module):
                 ep = _gemv_lora(lora, self.layer, "gate_up", x, group=True)
                 if ep is not False:  # one token: the GEMV adds the adapter's delta and gives silu(gate) * up itself
                     act = kernel_module("gemv").gemv(x, self.gate_up[0], glu=True, lora=ep)
-                    down = self.down_proj
-                    fn = getattr(lora, "defer_codes", None)
-                    spec = fn(self.layer, "down_proj", act) if defer and fn is not None and down.bias is None else None
+                    spec = _defer_codes(lora, self.layer, "down_proj", act) if defer else None
                     if spec is not None:
-                        return kernel_module("gemv").gemv(act, down.weight, codes_out=spec)
-                    return down(act, lora)
+                        return kernel_module("gemv").gemv(act, self.down_proj.weight, self.down_proj.bias, codes_out=spec)
+                    return self.down_proj(act, lora)
             y = _project_lora(x, *self.gate_up, self.fused, lora, self.layer, "gate_up", group=True)
             if self.fused:  # silu(gate) * up in one launch (and one for its backward)
                 kernels = kernel_module("norm_rope")
