@@ -875,11 +875,13 @@ def test_norm_codes_match_norm_then_shrink(dtype, tol, members, rank, slot, with
         rms_norm(torch.cat([x, x]), w, 1e-6, codes)
 
 
-def test_batch_of_one_takes_codes_from_the_norms(tiny_llm_with_adapters, monkeypatch):
+@pytest.mark.parametrize("adapter", ["a", "b"])
+def test_batch_of_one_takes_codes_from_the_norms(tiny_llm_with_adapters, monkeypatch, adapter):
     """One token with an adapter on the kernel path: the norms before q/k/v and gate/up and the attention's merge
     before o_proj write their codes, down_proj's GEMV writes its own and the next norm adds its delta, so no
-    lora_shrink runs (4 launches a layer before), with the same hidden states as the shrink launches give
-    (DARK_NORM_CODES=0)."""
+    lora_shrink runs for the layers (4 launches a layer before), with the same hidden states and logits as the
+    shrink launches give (DARK_NORM_CODES=0). Adapter "a" targets every projection; "b" q, v, down_proj and the
+    LM head (zero factors elsewhere in its slot; the LM head's codes still from a shrink)."""
     from dark.engine.attention import KVCache, PagedDecodeAttention
     from dark.lora.slots import SlotLoRA
 
@@ -888,7 +890,7 @@ def test_batch_of_one_takes_codes_from_the_norms(tiny_llm_with_adapters, monkeyp
     cfg = model.config
     model.use_fused_kernels(True)
     manager = llm.engine.adapters
-    slot = manager.acquire(manager.resolve("a"))  # adapter "a": every projection
+    slot = manager.acquire(manager.resolve(adapter))
     g = torch.Generator().manual_seed(0)
     cache = KVCache(cfg.num_layers, 4, 8, cfg.num_kv_heads, cfg.head_dim, torch.float32, DEV)
     cache.data.copy_(torch.randn(cache.data.shape, generator=g))
@@ -900,7 +902,8 @@ def test_batch_of_one_takes_codes_from_the_norms(tiny_llm_with_adapters, monkeyp
         with torch.inference_mode():
             lora = SlotLoRA.with_kernels(slots, torch.tensor([slot], dtype=torch.int32, device=DEV))
             attn = PagedDecodeAttention(cache, torch.tensor([12], device=DEV), tables, torch.tensor([13], device=DEV))
-            fn = lambda: model.hidden_states(torch.tensor([5], device=DEV), torch.tensor([12], device=DEV), attn, lora)
+            fn = lambda: model.logits(model.hidden_states(torch.tensor([5], device=DEV), torch.tensor([12], device=DEV),
+                                                          attn, lora), lora)
             out = counter.count(fn) if counter is not None else (fn(), None)
         cache.data.copy_(start)
         return out
@@ -916,15 +919,20 @@ def test_batch_of_one_takes_codes_from_the_norms(tiny_llm_with_adapters, monkeyp
     monkeypatch.setenv("DARK_NORM_CODES", "0")
     (shrunk, old_counts) = run()
     layers = cfg.num_layers
-    assert "_shrink_kernel" not in counts and old_counts["_shrink_kernel"] == 4 * layers
-    # every norm but the first layer's input norm takes the down_proj delta before it; the final one too
+    head = 1 if adapter == "b" else 0  # the LM head's shrink
+    # the slots hold factors for every projection some loaded adapter targets ("a": all), zeros in "b"'s slot where
+    # it has none: 4 shrinks a layer before (q/k/v, o, gate/up, down), none now
+    assert counts.get("_shrink_kernel", 0) == head and old_counts["_shrink_kernel"] == 4 * layers + head
+    # every norm writes codes (q/k/v's, gate/up's) or adds down_proj's delta (all but the first layer's input norm,
+    # and the final norm)
     assert counts["_norm_codes_kernel"] == 2 * layers + 1 and "_norm_codes_kernel" not in old_counts
     assert "_add_rms_norm_kernel" not in counts and sum(counts.values()) == sum(old_counts.values()) - 4 * layers
     assert "_expand_kernel" not in counts  # the GEMVs add the deltas
     torch.testing.assert_close(hidden, shrunk, rtol=1e-4, atol=1e-4)
     with torch.inference_mode():
         attn = PagedDecodeAttention(cache, torch.tensor([12], device=DEV), tables, torch.tensor([13], device=DEV))
-        base = model.hidden_states(torch.tensor([5], device=DEV), torch.tensor([12], device=DEV), attn, None)
+        base = model.logits(model.hidden_states(torch.tensor([5], device=DEV), torch.tensor([12], device=DEV), attn,
+                                                None), None)
     manager.release(slot)
     model.use_fused_kernels(llm.engine.runner.fast_decode)  # as the engine had it
     assert (hidden - base).abs().max() > 1e-3, "the adapter changed nothing"
