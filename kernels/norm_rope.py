@@ -287,8 +287,8 @@ def _norm_codes(x, delta, weight, eps, codes, delta_lora=None):
     if delta_lora is not None:
         B, dh = delta_lora["B"], delta_lora["out"]
         assert B.stride(-1) == 1 and B.shape[-1] == N and dh.is_contiguous() and dh.shape[2] == 1
-        if codes is not None:
-            assert delta_lora["slot"] is codes["slot"] or torch.equal(delta_lora["slot"], codes["slot"])
+        if codes is not None:  # one token, one slot tensor (an equality test would wait for the device)
+            assert delta_lora["slot"] is codes["slot"], "the codes and the delta of one token read one slot tensor"
         dargs = (B, dh, B.stride(0), B.stride(1))
         dconst = dict(DL=True, DR=delta_lora["rank"], DBR=dh.shape[3], DP=dh.shape[1],
                       DSP=triton.next_power_of_2(dh.shape[1]))
