@@ -219,7 +219,7 @@ def _rows(x):
 
 
 def rms_norm(x, weight, eps, codes=None):
-    """x [..., N] -> same shape and dtype; weight [N]. codes: see norm_codes."""
+    """x [..., N] -> same shape and dtype; weight [N]. codes: one row with an adapter's codes (_norm_codes)."""
     if codes is not None:
         return _norm_codes(x, None, weight, eps, codes)
     shape = x.shape
