@@ -24,7 +24,8 @@ Lines (dark / baseline):
                             8 greedy streams' p99 per-token latency while a training loop runs over solo, and the
                             loop's tokens/s during decode over its own rate alone just before (2 steps)
   memory_outside_kv_gb      peak device memory of the dark phase (serving, 32 adapters, training) less the KV
-                            cache / HF + PEFT peak while training
+                            cache / HF + PEFT peak while training, in decimal GB (10^9 bytes, the issue's unit);
+                            the details hold the GiB figures and each part's own peak (part_peak_gib)
 """
 from __future__ import annotations
 
@@ -63,6 +64,11 @@ TARGETS = {  # key: (target, "min" = at least / "max" = at most, the issue's anc
 
 def gib(n: float) -> float:
     return round(n / 2**30, 2)
+
+
+def gb(n: float) -> float:
+    """Decimal gigabytes (10^9 bytes): the unit of the issue's memory target and its HF + PEFT anchor."""
+    return round(n / 1e9, 2)
 
 
 def run_requests(llm, requests: list[tuple[list[int], int, object]], timeout: float = 900) -> tuple[float, int]:
@@ -122,12 +128,18 @@ class Run:
     def part(self, name: str, fn) -> None:
         t = time.perf_counter()
         print(f"--- {name}", flush=True)
+        cuda = self.device.type == "cuda"
+        if cuda:  # each part's own peak (the memory line takes the largest of the dark parts')
+            self.peak_before = max(getattr(self, "peak_before", 0), torch.cuda.max_memory_allocated(self.device))
+            torch.cuda.reset_peak_memory_stats(self.device)
         try:
             fn()
         except (Exception, SystemExit):  # the shared helpers end a failed generation with SystemExit
             self.report["errors"][name] = traceback.format_exc(limit=6)
             traceback.print_exc()
         self.report["seconds"][name] = round(time.perf_counter() - t, 1)
+        if cuda:
+            self.report["details"].setdefault("part_peak_gib", {})[name] = gib(torch.cuda.max_memory_allocated(self.device))
         self.save()
 
     def fig(self, key: str, value) -> None:
@@ -181,7 +193,7 @@ def hf_parts(run: Run, hf) -> None:
         sync(dev)
         run.fig("hf_train_tok_s", round(a.steps * a.train_batch * a.seq_len / (time.perf_counter() - t), 1))
         if dev.type == "cuda":
-            run.fig("hf_peak_memory_gb", gib(torch.cuda.max_memory_allocated(dev)))
+            run.fig("hf_peak_memory_gb", gb(torch.cuda.max_memory_allocated(dev)))
     run.part("hf_train", train)
 
     def adapter():
@@ -365,14 +377,19 @@ def dark_parts(run: Run, llm) -> None:
         ev = prof.key_averages()
         kernels = [e for e in ev if e.device_time_total > 0 and "CUDA" in str(getattr(e, "device_type", ""))]
         ops = sorted((e for e in ev if e.key.startswith("aten::")), key=lambda e: -e.self_cpu_time_total)[:20]
+        by_count = sorted((e for e in ev if e.key.startswith("aten::")), key=lambda e: -e.count)[:30]
         run.report["details"]["correction_profile"] = {
             "wall_s": round(wall, 3), "timings": rep.get("timings"),
             "gpu_kernel_ms": round(sum(e.device_time_total for e in kernels) / 1000, 1),
             "kernel_launches": sum(e.count for e in kernels), "aten_calls": sum(e.count for e in ev if e.key.startswith("aten::")),
             "top_cpu_ops": [{"name": e.key, "count": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1000, 1)} for e in ops],
             "top_kernels": [{"name": e.key[:80], "count": e.count, "ms": round(e.device_time_total / 1000, 2)}
-                            for e in sorted(kernels, key=lambda e: -e.device_time_total)[:12]]}
-        print(json.dumps(run.report["details"]["correction_profile"])[:2500], flush=True)
+                            for e in sorted(kernels, key=lambda e: -e.device_time_total)[:12]],
+            "most_called_ops": [{"name": e.key, "count": e.count, "cpu_ms": round(e.cpu_time_total / 1000, 1)}
+                                for e in by_count],
+            "most_launched_kernels": [{"name": e.key[:80], "count": e.count, "ms": round(e.device_time_total / 1000, 2)}
+                                      for e in sorted(kernels, key=lambda e: -e.count)[:20]]}
+        print(json.dumps(run.report["details"]["correction_profile"])[:8000], flush=True)
     if a.profile_correction:
         run.part("correction_profile", correction_profile)
     run.report["details"].update(sub)
@@ -383,15 +400,16 @@ def memory(run: Run, llm) -> None:
         return
     cache = llm.engine.cache.data
     kv = cache.numel() * cache.element_size()
-    peak = torch.cuda.max_memory_allocated(run.device)
+    # the largest of the dark parts' peaks (Run.part resets the counter per part) and of anything between them
+    peak = max(getattr(run, "peak_before", 0), torch.cuda.max_memory_allocated(run.device))
     slots = llm.engine.adapters.slots
     def storage_bytes(tensors) -> int:  # views of one storage (fused weights, grouped factors) count once
         return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
     lora = storage_bytes(list(slots.A.values()) + list(slots.B.values()))
     weights = storage_bytes(list(llm.model.parameters()))
-    run.fig("memory_outside_kv_gb", gib(peak - kv))
-    run.report["details"]["memory_gb"] = {"peak": gib(peak), "kv_cache": gib(kv), "adapter_slots": gib(lora),
+    run.fig("memory_outside_kv_gb", gb(peak - kv))
+    run.report["details"]["memory_gib"] = {"peak": gib(peak), "kv_cache": gib(kv), "adapter_slots": gib(lora),
                                           "weights": gib(weights), **mem(run.device)}
 
 
@@ -501,6 +519,7 @@ def main() -> None:
         if run.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(run.device)
+            run.peak_before = 0  # the HF parts' peaks are not the dark phase's
         t = time.perf_counter()
         lo, hi = args.offline_range
         blocks = (args.offline_requests * 2 * hi) // 16 + 1024 if run.device.type == "cuda" else 2048

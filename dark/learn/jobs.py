@@ -176,6 +176,8 @@ class Learner:
         marks (a job's timings): gets the clock times at which the version was saved and published."""
         path = self.version_dir(name, version)
         weights.save(path, base_model=self.llm.model_name)   # on disk before anyone can ask for it
+        if marks is not None:
+            marks["written"] = time.perf_counter()
         self.store.add_adapter_version(name, version, str(path), parent_version=parent, report=report)
         if marks is not None:
             marks["saved"] = time.perf_counter()

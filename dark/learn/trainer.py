@@ -456,6 +456,7 @@ class Trainer:
         moved = iter(to_device([t for k in keys for t in weights.tensors[k]], self.device, self._staging))
         params = {k: tuple(next(moved).requires_grad_(True) for _ in weights.tensors[k]) for k in keys}
         flat = [p for k in keys for p in params[k]]
+        marks["factors_in"] = time.perf_counter()
         opt = torch.optim.AdamW(flat, lr=cfg.lr, weight_decay=cfg.weight_decay)
         if optimizer_state:
             try:
@@ -464,6 +465,7 @@ class Trainer:
                     g["lr"] = cfg.lr
             except (ValueError, KeyError):
                 log.warning("optimizer state does not fit this adapter; starting it afresh")
+        marks["moments_in"] = time.perf_counter()
         lora = TrainLoRA(params, weights.scaling, {m: o for m, (_, o) in self.model.config.projection_shapes().items()})
         protector = self.protector(cfg.protect_energy)
         if protector is not None:
@@ -547,7 +549,8 @@ class Trainer:
         # on the device still: the job publishes the version first, then moves them (optimizer_state_to_host)
         state = opt.state_dict()
         timings = {"setup": marks["prepared"] - marks["start"], "steps": marks["trained"] - marks["prepared"],
-                   "to_host": marks["copied"] - marks["trained"]}
+                   "to_host": marks["copied"] - marks["trained"], "factors_in": marks["factors_in"] - marks["start"],
+                   "moments_in": marks["moments_in"] - marks["factors_in"]}
         return TrainResult(out, state, step, losses, verified, anchors_kept=kept,
                            timings={k: round(v, 3) for k, v in timings.items()})
 
