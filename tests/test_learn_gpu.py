@@ -55,3 +55,35 @@ def test_batched_transfers_round_trip_on_cuda():
     again = _state_to_host(on_dev["state"])
     for n in ("step", "exp_avg", "exp_avg_sq"):
         assert torch.equal(again[0][n], state["state"][0][n])
+
+
+def test_moments_travel_while_the_caller_works():
+    """MomentsIn: the moments gathered on a helper thread and copied on a copy stream arrive exactly, as views of one
+    device tensor, ordered before the caller's stream uses them; the staging buffer is free again after take()."""
+    import concurrent.futures
+
+    from dark.learn.trainer import MomentsIn, Staging
+
+    dev = torch.device("cuda")
+    staging, pool, copy = Staging(), concurrent.futures.ThreadPoolExecutor(1), torch.cuda.Stream(dev)
+    state = {"state": {i: {"step": torch.tensor(float(i)), "exp_avg": torch.randn(64, 300),
+                           "exp_avg_sq": torch.rand(300, 64)} for i in range(5)},
+             "param_groups": [{"lr": 1e-3, "params": list(range(5))}]}
+    side = torch.cuda.Stream(dev)
+    with torch.cuda.stream(side):
+        busy = torch.randn(4096, 4096, device=dev)
+        moving = MomentsIn(state, dev, staging, pool, copy)
+        for _ in range(8):  # the caller's stream keeps working meanwhile
+            busy = busy @ busy / 64
+        got = moving.take()
+        sums = torch.stack([got["state"][i][n].sum() for i in range(5) for n in ("exp_avg", "exp_avg_sq")])
+    staging.get(10).fill_(7.0)  # refilled after take(): what arrived is unaffected
+    torch.cuda.synchronize()
+    for i in range(5):
+        assert got["state"][i]["step"] == state["state"][i]["step"]
+        for n in ("exp_avg", "exp_avg_sq"):
+            assert got["state"][i][n].device.type == "cuda"
+            assert torch.equal(got["state"][i][n].cpu(), state["state"][i][n])
+    want = torch.stack([state["state"][i][n].sum() for i in range(5) for n in ("exp_avg", "exp_avg_sq")])
+    torch.testing.assert_close(sums.cpu(), want, rtol=1e-4, atol=1e-3)
+    pool.shutdown()

@@ -60,9 +60,10 @@ EVERYDAY = [
 ]
 
 
-# projections whose bases live in pinned host memory on CUDA: the MLP's inner width (down_proj, two thirds of all
-# the bases) and o_proj (whose input basis no other projection shares); ~1 GB of a 7B model's ~1.3 GB
-HOST_BASES = ("down_proj", "o_proj")
+# On CUDA every basis lives in pinned host memory (~1.3 GB for a 7B model, bf16): device memory is for serving,
+# and a training step moves each basis over the bus once, on the trainer's stream.
+# Projections listed here stay on the device instead (none by default; measured in bench/RESULTS.md).
+DEVICE_BASES: tuple[str, ...] = ()
 
 
 class Protector:
@@ -156,7 +157,7 @@ class _Recorder:
         key = (layer, MEMBERS[GROUPS[module]][0] if module in GROUPS else module)
         if key not in self.seen:
             v = principal_directions(x[self.valid].float() * self.weight[:, None], self.p.energy).to(self.dtype)
-            if v.device.type == "cuda" and module in HOST_BASES:
+            if v.device.type == "cuda" and module not in DEVICE_BASES:
                 # in pinned host memory they leave the device to serving, and cross the bus once per training step
                 v = v.cpu().pin_memory()
             self.seen[key] = v

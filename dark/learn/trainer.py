@@ -15,6 +15,7 @@ log-softmax rows (only the anchors' few rows are kept whole).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import logging
 import math
@@ -176,17 +177,61 @@ class Staging:
         return self.buf[:n]
 
 
-def to_device(tensors: list[torch.Tensor], device: torch.device, staging: Staging | None = None) -> list[torch.Tensor]:
+def to_device(tensors: list[torch.Tensor], device: torch.device, staging: Staging | None = None,
+              own: bool = True) -> list[torch.Tensor]:
     """fp32 copies of host tensors on the device in one transfer (a few hundred small copies each wait for the
-    device otherwise); each result owns its storage."""
+    device otherwise). own: each result owns its storage; else they are views of one new device tensor (no copy
+    per tensor on the device)."""
     if device.type == "cpu":
         return [t.float().clone() for t in tensors]
     total = sum(t.numel() for t in tensors)
     host = (staging or Staging()).get(total)
     torch.cat([t.reshape(-1).float() for t in tensors], out=host)
-    out = _unflatten(host.to(device, non_blocking=True), tensors, own=True)
+    out = _unflatten(host.to(device, non_blocking=True), tensors, own=own)
     torch.cuda.current_stream(device).synchronize()  # the staging buffer may be refilled as soon as this returns
     return out
+
+
+class MomentsIn:
+    """An optimizer state's fp32 moments on their way to the device while a job's first forward and backward run,
+    so they are off the correction's critical path (at 7B ~320 MB: a host gather into pinned memory, then the bus).
+    A helper thread gathers them into `staging` (torch's copy lets go of the GIL) and copies them over on
+    `copy_stream` into one device tensor allocated on the caller's stream; take() (before the first optimizer
+    step) makes the caller's stream wait for the copy and returns the state with its moments as views of it."""
+
+    def __init__(self, state: dict, device: torch.device, staging: Staging, pool, copy_stream: torch.cuda.Stream):
+        self.state, self.where = state, _state_tensors(state["state"])
+        tensors = [state["state"][k][n] for k, n in self.where]
+        self.like = tensors
+        total = sum(t.numel() for t in tensors)
+        self.flat = torch.empty(total, dtype=torch.float32, device=device)  # on the caller's stream
+        allocated, self.done = torch.cuda.Event(), torch.cuda.Event()
+        allocated.record()
+
+        def gather_and_copy() -> None:
+            host = staging.get(total)
+            if tensors:
+                torch.cat([t.reshape(-1).float() for t in tensors], out=host)
+            with torch.cuda.stream(copy_stream):
+                copy_stream.wait_event(allocated)
+                self.flat.copy_(host, non_blocking=True)
+                self.done.record(copy_stream)
+            self.done.synchronize()  # the staging buffer may be refilled once this returns
+
+        self.future = pool.submit(gather_and_copy)
+
+    def wait(self) -> None:
+        """Until the helper is done with the staging buffer (a job that fails or ends early waits here too)."""
+        self.future.result()
+
+    def take(self) -> dict:
+        self.wait()
+        torch.cuda.current_stream(self.flat.device).wait_event(self.done)
+        moved = _unflatten(self.flat, self.like, own=False)
+        state = {k: dict(s) for k, s in self.state["state"].items()}
+        for (k, n), t in zip(self.where, moved):
+            state[k][n] = t
+        return {**self.state, "state": state}
 
 
 def to_host(tensors: list[torch.Tensor], staging: Staging | None = None, own: bool = True) -> list[torch.Tensor]:
@@ -292,6 +337,9 @@ class Trainer:
         self._protectors: dict[float, Protector] = {}  # per energy, fitted once on the frozen base
         self.stream = torch.cuda.Stream(device=device, priority=0) if device.type == "cuda" else None
         self._staging = Staging()  # pinned host memory for moving factors and moments (CUDA)
+        self._moment_staging = Staging()  # the moments' way in (MomentsIn), beside the factors'
+        self._moment_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._copy_stream: torch.cuda.Stream | None = None
         # while serving_busy() says requests are being served, steps run on shared_stream (a green context on
         # part of the SMs, dark.learn.jobs.training_stream) when one is set, else on self.stream
         self.shared_stream: torch.cuda.Stream | None = None
@@ -379,8 +427,8 @@ class Trainer:
         if energy not in self._protectors:
             ctx = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
             with ctx, torch.inference_mode(False), torch.no_grad():
-                # kept in the serving precision (bf16 on a GPU: ~1.3 GB for a 7B model, ~1 GB of it in pinned
-                # host memory, dark.learn.protect.HOST_BASES), used in fp32
+                # kept in the serving precision (bf16 on a GPU: ~1.3 GB for a 7B model, in pinned host memory,
+                # dark.learn.protect.DEVICE_BASES), used in fp32
                 dtype = self.model.lm_head.weight.dtype
                 self._protectors[energy] = Protector(energy).fit(self.model, self.tokenizer, self.device, dtype)
         return self._protectors[energy]
@@ -453,19 +501,48 @@ class Trainer:
     def _train(self, weights, optimizer_state, items, cfg, on_step, low_precision: bool) -> TrainResult:
         marks = {"start": time.perf_counter()}
         keys = sorted(weights.tensors)
-        moved = iter(to_device([t for k in keys for t in weights.tensors[k]], self.device, self._staging))
+        # the factors as views of one device tensor (leaves of their own for autograd and the optimizer)
+        moved = iter(to_device([t for k in keys for t in weights.tensors[k]], self.device, self._staging, own=False))
         params = {k: tuple(next(moved).requires_grad_(True) for _ in weights.tensors[k]) for k in keys}
         flat = [p for k in keys for p in params[k]]
         marks["factors_in"] = time.perf_counter()
         opt = torch.optim.AdamW(flat, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        if optimizer_state:
+        # the moments are needed at the first optimizer step: on CUDA they travel while the first pass runs
+        moments = self._moments_in(optimizer_state) if optimizer_state else None
+        waited = [0.0]
+
+        def load_moments() -> None:
+            nonlocal moments
+            if moments is None:
+                return
+            t = time.perf_counter()
+            state, moments = (moments.take() if isinstance(moments, MomentsIn) else moments), None
+            waited[0] += time.perf_counter() - t
             try:
-                opt.load_state_dict(_state_to_device(optimizer_state, self.device, self._staging))
+                opt.load_state_dict(state)
                 for g in opt.param_groups:
                     g["lr"] = cfg.lr
             except (ValueError, KeyError):
                 log.warning("optimizer state does not fit this adapter; starting it afresh")
         marks["moments_in"] = time.perf_counter()
+        try:
+            return self._train_loop(weights, items, cfg, on_step, low_precision, marks, keys, params, flat, opt,
+                                    load_moments, waited)
+        finally:
+            if isinstance(moments, MomentsIn):  # a job that failed before its first step: the helper is done
+                moments.wait()
+
+    def _moments_in(self, optimizer_state: dict):
+        """The state with its moments on the device (CPU: at once), or a MomentsIn on its way there (CUDA)."""
+        if self.device.type != "cuda":
+            return _state_to_device(optimizer_state, self.device)
+        if self._moment_pool is None:
+            self._moment_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dark-moments")
+            self._copy_stream = torch.cuda.Stream(device=self.device)
+        return MomentsIn(optimizer_state, self.device, self._moment_staging, self._moment_pool, self._copy_stream)
+
+    def _train_loop(self, weights, items, cfg, on_step, low_precision, marks, keys, params, flat, opt, load_moments,
+                    waited) -> TrainResult:
         lora = TrainLoRA(params, weights.scaling, {m: o for m, (_, o) in self.model.config.projection_shapes().items()})
         protector = self.protector(cfg.protect_energy)
         if protector is not None:
@@ -534,6 +611,7 @@ class Trainer:
                 elif prefs:
                     (cfg.dpo_weight * pref).backward()
                 torch.nn.utils.clip_grad_norm_(flat, cfg.max_grad_norm)
+                load_moments()
                 opt.step()
                 if protector is not None:
                     with torch.no_grad():
@@ -547,10 +625,11 @@ class Trainer:
         out = AdapterWeights(weights.config, {k: (next(host), next(host)) for k in keys}, weights.scaling)
         marks["copied"] = time.perf_counter()
         # on the device still: the job publishes the version first, then moves them (optimizer_state_to_host)
+        load_moments()  # a job that took no step hands the moments on as they came
         state = opt.state_dict()
         timings = {"setup": marks["prepared"] - marks["start"], "steps": marks["trained"] - marks["prepared"],
                    "to_host": marks["copied"] - marks["trained"], "factors_in": marks["factors_in"] - marks["start"],
-                   "moments_in": marks["moments_in"] - marks["factors_in"]}
+                   "moments_in": marks["moments_in"] - marks["factors_in"], "moments_wait": waited[0]}
         return TrainResult(out, state, step, losses, verified, anchors_kept=kept,
                            timings={k: round(v, 3) for k, v in timings.items()})
 
