@@ -321,15 +321,22 @@ def rotary(x, cos, sin):
     return _rotary_into(x, cos, sin, torch.empty(x.shape, device=x.device, dtype=x.dtype), 1.0)
 
 
-def silu_mul(gate_up, size, block=1024):
-    """gate_up [..., 2 * size] (gate, then up) -> silu(gate) * up [..., size], in fp32 then cast to its dtype."""
+def silu_mul(gate_up, size, block=1024, inplace: bool = False):
+    """gate_up [..., 2 * size] (gate, then up) -> silu(gate) * up [..., size], in fp32 then cast to its dtype.
+
+    inplace (a 2-D gate_up with its rows contiguous, that nothing reads again): the result is written over the
+    gate half and returned as a view of it (row stride 2 * size), so a large batch holds [T, 2 * size], not that
+    and [T, size] beside it: each program reads its gate and up block before it writes that gate block."""
     shape = gate_up.shape
     assert shape[-1] == 2 * size
     gu = _rows(gate_up)
-    out = torch.empty(gu.shape[0], size, device=gate_up.device, dtype=gate_up.dtype)
+    if inplace and gate_up.dim() == 2 and gu.data_ptr() == gate_up.data_ptr():
+        out = gu[:, :size]
+    else:
+        out = torch.empty(gu.shape[0], size, device=gate_up.device, dtype=gate_up.dtype)
     _silu_mul_kernel[(gu.shape[0], triton.cdiv(size, block))](gu, out, size, gu.stride(0), out.stride(0),
                                                               BLOCK=block, **pdl(gu.device))
-    return out.view(*shape[:-1], size)
+    return out if out.dim() == len(shape) else out.view(*shape[:-1], size)
 
 
 # --- training: autograd Functions, gradients for the activations only (the base weights are frozen) ---------------

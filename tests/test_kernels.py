@@ -635,6 +635,12 @@ def test_silu_mul_matches_reference(dtype, tol, tokens, size, block):
     out.backward(dy)
     assert gate_up.grad.shape == gate_up.shape and rel_err(gate_up.grad.cpu(), ref_dgu) < tol
     assert rel_err(gate_up.grad[:, size:].cpu(), ref_dgu[:, size:]) < tol  # dup on its own: not swamped by dgate
+    # in place over the gate half (serving's large batches): the same values, a view of the input's storage
+    fresh = gate_up.detach().clone()
+    up = fresh[:, size:].clone()
+    inplace = silu_mul(fresh, size, block, inplace=True)
+    assert inplace.data_ptr() == fresh.data_ptr() and inplace.stride() == (2 * size, 1)
+    assert torch.equal(inplace, out.detach()) and torch.equal(fresh[:, size:], up)
 
 
 class _LaunchCounter:
