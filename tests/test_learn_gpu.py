@@ -58,26 +58,29 @@ def test_batched_transfers_round_trip_on_cuda():
 
 
 def test_moments_travel_while_the_caller_works():
-    """MomentsIn: the moments gathered on a helper thread and copied on a copy stream arrive exactly, as views of one
-    device tensor, ordered before the caller's stream uses them; the staging buffer is free again after take()."""
+    """MomentsIn: the moments gathered on a helper thread while the caller's stream works arrive exactly, as views of
+    one device tensor allocated at take(); the staging buffer is refilled only after that copy is done."""
     import concurrent.futures
 
     from dark.learn.trainer import MomentsIn, Staging
 
     dev = torch.device("cuda")
-    staging, pool, copy = Staging(), concurrent.futures.ThreadPoolExecutor(1), torch.cuda.Stream(dev)
+    staging, pool = Staging(), concurrent.futures.ThreadPoolExecutor(1)
     state = {"state": {i: {"step": torch.tensor(float(i)), "exp_avg": torch.randn(64, 300),
                            "exp_avg_sq": torch.rand(300, 64)} for i in range(5)},
              "param_groups": [{"lr": 1e-3, "params": list(range(5))}]}
     side = torch.cuda.Stream(dev)
     with torch.cuda.stream(side):
         busy = torch.randn(4096, 4096, device=dev)
-        moving = MomentsIn(state, dev, staging, pool, copy)
+        moving = MomentsIn(state, dev, staging, pool)
         for _ in range(8):  # the caller's stream keeps working meanwhile
             busy = busy @ busy / 64
         got = moving.take()
         sums = torch.stack([got["state"][i][n].sum() for i in range(5) for n in ("exp_avg", "exp_avg_sq")])
-    staging.get(10).fill_(7.0)  # refilled after take(): what arrived is unaffected
+        # a second state through the same buffer right away: it waits for the first copy before refilling
+        other = {"state": {0: {"step": torch.tensor(9.0), "exp_avg": torch.full((64, 300), 3.0),
+                               "exp_avg_sq": torch.full((300, 64), 4.0)}}, "param_groups": [{"lr": 1e-3, "params": [0]}]}
+        got2 = MomentsIn(other, dev, staging, pool).take()
     torch.cuda.synchronize()
     for i in range(5):
         assert got["state"][i]["step"] == state["state"][i]["step"]
@@ -86,4 +89,5 @@ def test_moments_travel_while_the_caller_works():
             assert torch.equal(got["state"][i][n].cpu(), state["state"][i][n])
     want = torch.stack([state["state"][i][n].sum() for i in range(5) for n in ("exp_avg", "exp_avg_sq")])
     torch.testing.assert_close(sums.cpu(), want, rtol=1e-4, atol=1e-3)
+    assert (got2["state"][0]["exp_avg"] == 3).all() and (got2["state"][0]["exp_avg_sq"] == 4).all()
     pool.shutdown()

@@ -169,12 +169,23 @@ class Staging:
 
     def __init__(self):
         self.buf: torch.Tensor | None = None
+        self._event = None  # a copy out of the buffer that may still be running (used_until)
 
     def get(self, n: int) -> torch.Tensor:
         if self.buf is None or self.buf.numel() < n:
             self.buf = None
             self.buf = torch.empty(n, dtype=torch.float32, pin_memory=True)
         return self.buf[:n]
+
+    def used_until(self) -> None:
+        """Marks the current stream's work so far as reading the buffer: wait() returns once it is done."""
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
 
 
 def to_device(tensors: list[torch.Tensor], device: torch.device, staging: Staging | None = None,
@@ -193,46 +204,42 @@ def to_device(tensors: list[torch.Tensor], device: torch.device, staging: Stagin
 
 
 class MomentsIn:
-    """An optimizer state's fp32 moments on their way to the device while a job's first forward and backward run,
-    so they are off the correction's critical path (at 7B ~320 MB: a host gather into pinned memory, then the bus).
-    A helper thread gathers them into `staging` (torch's copy lets go of the GIL) and copies them over on
-    `copy_stream` into one device tensor allocated on the caller's stream; take() (before the first optimizer
-    step) makes the caller's stream wait for the copy and returns the state with its moments as views of it."""
+    """An optimizer state's fp32 moments on their way to the device, off the correction's critical path and out of
+    its memory peak: a helper thread gathers them into pinned `staging` while the job's first forward and backward
+    run (at 7B ~320 MB of host memcpy; torch's copy lets go of the GIL), and take(), at the first optimizer step
+    when the activations are gone, puts them on the device in one copy and returns the state with its moments as
+    views of one device tensor."""
 
-    def __init__(self, state: dict, device: torch.device, staging: Staging, pool, copy_stream: torch.cuda.Stream):
-        self.state, self.where = state, _state_tensors(state["state"])
-        tensors = [state["state"][k][n] for k, n in self.where]
-        self.like = tensors
-        total = sum(t.numel() for t in tensors)
-        self.flat = torch.empty(total, dtype=torch.float32, device=device)  # on the caller's stream
-        allocated, self.done = torch.cuda.Event(), torch.cuda.Event()
-        allocated.record()
+    def __init__(self, state: dict, device: torch.device, staging: Staging, pool):
+        self.state, self.where, self.device = state, _state_tensors(state["state"]), device
+        self.like = [state["state"][k][n] for k, n in self.where]
+        self.total = sum(t.numel() for t in self.like)
+        self.copied: torch.cuda.Event | None = None
+        staging.wait()  # the last job's copy out of this buffer is done
 
-        def gather_and_copy() -> None:
-            host = staging.get(total)
-            if tensors:
-                torch.cat([t.reshape(-1).float() for t in tensors], out=host)
-            with torch.cuda.stream(copy_stream):
-                copy_stream.wait_event(allocated)
-                self.flat.copy_(host, non_blocking=True)
-                self.done.record(copy_stream)
-            self.done.synchronize()  # the staging buffer may be refilled once this returns
+        def gather() -> torch.Tensor:
+            host = staging.get(self.total)
+            if self.like:
+                torch.cat([t.reshape(-1).float() for t in self.like], out=host)
+            return host
 
-        self.future = pool.submit(gather_and_copy)
+        self.future = pool.submit(gather)
+        self.staging = staging
 
     def wait(self) -> None:
         """Until the helper is done with the staging buffer (a job that fails or ends early waits here too)."""
         self.future.result()
 
     def take(self) -> dict:
-        self.wait()
-        torch.cuda.current_stream(self.flat.device).wait_event(self.done)
-        moved = _unflatten(self.flat, self.like, own=False)
+        host = self.future.result()
+        flat = torch.empty(self.total, dtype=torch.float32, device=self.device)
+        flat.copy_(host, non_blocking=True)
+        self.staging.used_until()  # the next gather into the buffer waits for this copy
+        moved = _unflatten(flat, self.like, own=False)
         state = {k: dict(s) for k, s in self.state["state"].items()}
         for (k, n), t in zip(self.where, moved):
             state[k][n] = t
         return {**self.state, "state": state}
-
 
 def to_host(tensors: list[torch.Tensor], staging: Staging | None = None, own: bool = True) -> list[torch.Tensor]:
     """Host fp32 copies of device tensors in one transfer. own: each result owns its storage (safetensors refuses
@@ -339,7 +346,6 @@ class Trainer:
         self._staging = Staging()  # pinned host memory for moving factors and moments (CUDA)
         self._moment_staging = Staging()  # the moments' way in (MomentsIn), beside the factors'
         self._moment_pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._copy_stream: torch.cuda.Stream | None = None
         # while serving_busy() says requests are being served, steps run on shared_stream (a green context on
         # part of the SMs, dark.learn.jobs.training_stream) when one is set, else on self.stream
         self.shared_stream: torch.cuda.Stream | None = None
@@ -507,9 +513,9 @@ class Trainer:
         flat = [p for k in keys for p in params[k]]
         marks["factors_in"] = time.perf_counter()
         opt = torch.optim.AdamW(flat, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        # the moments are needed at the first optimizer step: on CUDA they travel while the first pass runs
+        # the moments are needed at the first optimizer step: on CUDA they are gathered while the first pass runs
         moments = self._moments_in(optimizer_state) if optimizer_state else None
-        waited = [0.0]
+        inflight, waited = moments, [0.0]
 
         def load_moments() -> None:
             nonlocal moments
@@ -529,8 +535,8 @@ class Trainer:
             return self._train_loop(weights, items, cfg, on_step, low_precision, marks, keys, params, flat, opt,
                                     load_moments, waited)
         finally:
-            if isinstance(moments, MomentsIn):  # a job that failed before its first step: the helper is done
-                moments.wait()
+            if isinstance(inflight, MomentsIn):  # whatever happened, the helper is done with the staging buffer
+                inflight.wait()
 
     def _moments_in(self, optimizer_state: dict):
         """The state with its moments on the device (CPU: at once), or a MomentsIn on its way there (CUDA)."""
@@ -538,8 +544,7 @@ class Trainer:
             return _state_to_device(optimizer_state, self.device)
         if self._moment_pool is None:
             self._moment_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dark-moments")
-            self._copy_stream = torch.cuda.Stream(device=self.device)
-        return MomentsIn(optimizer_state, self.device, self._moment_staging, self._moment_pool, self._copy_stream)
+        return MomentsIn(optimizer_state, self.device, self._moment_staging, self._moment_pool)
 
     def _train_loop(self, weights, items, cfg, on_step, low_precision, marks, keys, params, flat, opt, load_moments,
                     waited) -> TrainResult:
@@ -551,7 +556,6 @@ class Trainer:
                 for (k, (a, _)), zero in zip(params.items(), zero_b):
                     if zero:  # A can turn freely while B is zero: it changes no output yet
                         a.copy_(protector.project(k, a))
-            start = {k: a.detach().clone() for k, (a, _) in params.items()}
         anchors = self.anchors(cfg.anchor_prompts) if cfg.kl_weight > 0 else []
         self._reference(items)
         self._reference_anchors(anchors)
@@ -612,10 +616,17 @@ class Trainer:
                     (cfg.dpo_weight * pref).backward()
                 torch.nn.utils.clip_grad_norm_(flat, cfg.max_grad_norm)
                 load_moments()
+                a_factors = [a for a, _ in params.values()]
+                # A before the step (made here, after backward: not held through the passes). The step's change is
+                # kept out of the everyday directions; every earlier change was, so A's whole change since the job
+                # began stays out of them as well
+                with torch.no_grad():
+                    before = torch._foreach_mul(a_factors, 1.0) if protector is not None else None
                 opt.step()
                 if protector is not None:
                     with torch.no_grad():
-                        protector.project_updates(list(params), [a for a, _ in params.values()], list(start.values()))
+                        protector.project_updates(list(params), a_factors, before)
+                    del before
                 step += 1
                 losses.append(round(loss_total.item(), 5))
                 if on_step:
