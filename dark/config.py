@@ -109,6 +109,9 @@ class LearnConfig:
                                      # of few tokens is bound by the host, and two cost nearly twice one
     logits_chunk: int = 128          # rows of logits ([rows, vocabulary] in fp32) made at once for the loss: 256 rows
                                      # of a 152k vocabulary and their backward take ~0.6 GiB, 1024 rows ~2.4 GiB
+    park_moments: bool | None = None  # between a job's steps the optimizer's fp32 moments wait in pinned host memory,
+                                     # so the passes' peak holds no moments (7B: ~0.3 GiB) for one copy back each
+                                     # step; None: on CUDA only, True / False: always / never
 
     def validate(self) -> "LearnConfig":
         _check(self.lr > 0, "lr must be positive")
@@ -123,6 +126,7 @@ class LearnConfig:
         _check(isinstance(self.logits_chunk, int) and self.logits_chunk >= 1, "logits_chunk must be a positive integer")
         _check(isinstance(self.micro_tokens, int) and (self.micro_tokens >= 1 or self.micro_tokens == -1),
                "micro_tokens must be a positive integer, or -1 (never split a training batch)")
+        _check(self.park_moments in (None, True, False), "park_moments must be true, false or null (on CUDA only)")
         self.anchor_prompts = tuple(self.anchor_prompts)
         _check(all(isinstance(p, str) and p.strip() for p in self.anchor_prompts), "anchor_prompts must be non-empty strings")
         if not self.anchor_prompts:

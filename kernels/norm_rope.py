@@ -437,8 +437,8 @@ def qkv_rotary_train(y, nh, nkv, d, cos, sin):
 
 class _SiluMulTrain(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate_up, size, block):
-        ctx.size, ctx.block = size, block
+    def forward(ctx, gate_up, size, block, reuse):
+        ctx.size, ctx.block, ctx.reuse = size, block, reuse
         ctx.save_for_backward(gate_up)
         return silu_mul(gate_up, size, block)
 
@@ -448,12 +448,16 @@ class _SiluMulTrain(torch.autograd.Function):
         gate_up, = ctx.saved_tensors
         size, block = ctx.size, ctx.block
         gu, dy2 = _rows(gate_up), _rows(dy)
-        dgu = torch.empty(gu.shape, device=gu.device, dtype=gu.dtype)
+        # reuse: the gradient overwrites the saved gate_up (each program reads its gate, up and dy blocks before it
+        # writes those places), so a layer's backward holds one [T, 2 * size] tensor here, not two
+        dgu = gu if ctx.reuse else torch.empty(gu.shape, device=gu.device, dtype=gu.dtype)
         _silu_mul_bwd_kernel[(gu.shape[0], triton.cdiv(size, block))](gu, dy2, dgu, size, gu.stride(0),
                                                                       dy2.stride(0), dgu.stride(0), BLOCK=block)
-        return dgu.view(gate_up.shape), None, None
+        return dgu.view(gate_up.shape), None, None, None
 
 
-def silu_mul_train(gate_up, size, block=1024):
-    """silu_mul with a backward for gate_up: one [..., 2 * size] gradient (dgate, dup) in one launch."""
-    return _SiluMulTrain.apply(gate_up, size, block)
+def silu_mul_train(gate_up, size, block=1024, reuse_input: bool = False):
+    """silu_mul with a backward for gate_up: one [..., 2 * size] gradient (dgate, dup) in one launch.
+    reuse_input (gate_up a temporary that nothing else reads, e.g. a projection's output inside the model): the
+    backward writes the gradient over gate_up instead of into a new tensor."""
+    return _SiluMulTrain.apply(gate_up, size, block, reuse_input)

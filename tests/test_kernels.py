@@ -635,6 +635,11 @@ def test_silu_mul_matches_reference(dtype, tol, tokens, size, block):
     out.backward(dy)
     assert gate_up.grad.shape == gate_up.shape and rel_err(gate_up.grad.cpu(), ref_dgu) < tol
     assert rel_err(gate_up.grad[:, size:].cpu(), ref_dgu[:, size:]) < tol  # dup on its own: not swamped by dgate
+    # the gradient written over a temporary input (the model's MLP): the same gradient, in the input's storage
+    temp = gate_up.detach().clone().requires_grad_()
+    mid = temp * 1  # a non-leaf temporary, as a projection's output is
+    silu_mul_train(mid, size, block, reuse_input=True).backward(dy)
+    assert torch.equal(temp.grad, gate_up.grad)
     # in place over the gate half (serving's large batches): the same values, a view of the input's storage
     fresh = gate_up.detach().clone()
     up = fresh[:, size:].clone()

@@ -238,6 +238,62 @@ def test_micro_batched_training_trains_the_same_weights(llm):
     assert (num / den) ** 0.5 < 1e-4
 
 
+def test_parked_moments_train_exactly_the_same(llm, monkeypatch):
+    """park_moments: the optimizer's moments leave for host memory after each step but the last and come back at
+    the next optimizer step. The same losses, weights and moments as keeping them (bit for bit, a warm optimizer
+    state from an earlier job too), and while a parked step's passes run the optimizer holds no moment."""
+    from dark.learn import trainer as T
+
+    tr = llm.learner.trainer
+    model = tr.model
+    examples = [{"messages": CONVS[0]}, {"messages": CONVS[1]}]
+    seen = []  # per optimizer step: how many moment tensors the optimizer held when the step's passes began
+    real_forward = T.Trainer._forward
+
+    def counting_forward(self, rendered, lora, checkpoint_tokens=-1):
+        if torch.is_grad_enabled():
+            seen.append(sum(torch.is_tensor(v) and v.dim() > 0 for st in self._opt_probe.state.values() for v in st.values()))
+        return real_forward(self, rendered, lora, checkpoint_tokens)
+
+    real_adamw = torch.optim.AdamW
+
+    def probed_adamw(*args, **kw):
+        opt = real_adamw(*args, **kw)
+        tr._opt_probe = opt
+        return opt
+
+    monkeypatch.setattr(T.Trainer, "_forward", counting_forward)
+    monkeypatch.setattr(T.torch.optim, "AdamW", probed_adamw)
+    out = {}
+    for park in (False, True):
+        cfg = LearnConfig(max_steps=3, min_steps=3, kl_weight=0.0, park_moments=park).validate()
+        items = tr.build_items(examples, [], "sft", cfg)
+        start = AdapterWeights.init(LoraConfig().validate(), model.config.projection_shapes(), model.config.num_layers)
+        seen.clear()
+        first = tr.train(start, None, items, cfg)
+        first_seen = list(seen)
+        state = tr.optimizer_state_to_host(first.optimizer_state)
+        seen.clear()
+        second = tr.train(first.weights, state, items, cfg)  # a warm state: parked after its own first step
+        out[park] = (first, second, first_seen, list(seen))
+    (a1, a2, kept1, kept2), (b1, b2, seen1, seen2) = out[False], out[True]
+    for x, y in ((a1, b1), (a2, b2)):
+        assert x.losses == y.losses and x.steps == y.steps == 3
+        for k in x.weights.tensors:
+            assert all(torch.equal(u, v) for u, v in zip(x.weights.tensors[k], y.weights.tensors[k]))
+        xs, ys = x.optimizer_state["state"], y.optimizer_state["state"]
+        assert xs.keys() == ys.keys()
+        for i in xs:
+            for n in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(xs[i][n], ys[i][n])
+    # first job: no moments yet at step 1, parked during steps 2 and 3; second job: the warm state comes in at
+    # the first optimizer step (none during its passes), then parked again
+    assert seen1 and not any(seen1) and seen2 and not any(seen2)
+    # kept instead: from each job's second step on they are on the device through the passes (a warm state too,
+    # which comes in at the first optimizer step either way)
+    assert kept1[0] == 0 and all(kept1[1:]) and kept2[0] == 0 and all(kept2[1:])
+
+
 def test_the_check_after_the_last_step_runs_without_gradients(llm):
     """A job's loop ends with a pass that only checks the final weights (max_steps reached): it runs without
     autograd, in each of a split batch's parts, and every step before it runs each part once with gradients."""

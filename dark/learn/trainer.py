@@ -167,20 +167,23 @@ class Staging:
     """A pinned host buffer kept across jobs for the trainer's transfers: one copy each way at full bus speed
     (a pageable copy of a few hundred MB runs at a few GB/s, and pinning a fresh buffer per job costs as much)."""
 
-    def __init__(self):
+    def __init__(self, pin: bool = True):
         self.buf: torch.Tensor | None = None
-        self._event = None  # a copy out of the buffer that may still be running (used_until)
+        self.pin = pin
+        self._event = None  # a copy into or out of the buffer that may still be running (used_until)
 
     def get(self, n: int) -> torch.Tensor:
         if self.buf is None or self.buf.numel() < n:
             self.buf = None
-            self.buf = torch.empty(n, dtype=torch.float32, pin_memory=True)
+            self.buf = torch.empty(n, dtype=torch.float32, pin_memory=self.pin)
         return self.buf[:n]
 
     def used_until(self) -> None:
-        """Marks the current stream's work so far as reading the buffer: wait() returns once it is done."""
-        self._event = torch.cuda.Event()
-        self._event.record()
+        """Marks the current stream's work so far as using the buffer: wait() returns once it is done (CUDA; on the
+        CPU every copy is done when it returns)."""
+        if self.buf is not None and self.buf.is_pinned():
+            self._event = torch.cuda.Event()
+            self._event.record()
 
     def wait(self) -> None:
         if self._event is not None:
@@ -251,6 +254,57 @@ def to_host(tensors: list[torch.Tensor], staging: Staging | None = None, own: bo
     host.copy_(flat, non_blocking=True)
     torch.cuda.current_stream(flat.device).synchronize()
     return _unflatten(host if own else host.clone(), tensors, own)
+
+
+class ParkedMoments:
+    """A job's optimizer moments in pinned host memory between its steps (LearnConfig.park_moments): out() after a
+    step copies them off the device in one transfer and lets the device tensors go, so the next step's forward and
+    backward (the activations' peak) run without them; back() at the next optimizer step returns them in one copy,
+    as views of one device tensor."""
+
+    def __init__(self, staging: Staging):
+        self.staging = staging
+        self.where: list[tuple[torch.Tensor, str]] = []
+        self.like: list[torch.Tensor] = []
+
+    @property
+    def parked(self) -> bool:
+        return bool(self.where)
+
+    def out(self, opt: torch.optim.Optimizer, params: list[torch.Tensor],
+            copy_stream: torch.cuda.Stream | None = None) -> None:
+        """copy_stream (CUDA): the copy to the host runs there, beside the next step's first kernels."""
+        where = [(p, n) for p in params for n, v in opt.state[p].items() if torch.is_tensor(v) and v.dim() > 0]
+        if not where:
+            return
+        tensors = [opt.state[p][n] for p, n in where]
+        flat = torch.cat([t.reshape(-1) for t in tensors])  # on the device, in the step's stream order
+        self.staging.wait()  # the last copy back out of the buffer is done
+        host = self.staging.get(flat.numel())
+        if copy_stream is not None:
+            copy_stream.wait_stream(torch.cuda.current_stream(flat.device))
+            with torch.cuda.stream(copy_stream):
+                host.copy_(flat, non_blocking=True)
+                self.staging.used_until()
+            flat.record_stream(copy_stream)  # its memory is not handed out again before the copy is done
+        else:
+            host.copy_(flat)
+        self.where, self.like = where, [torch.empty(t.shape, device="meta", dtype=t.dtype) for t in tensors]
+        for p, n in where:
+            del opt.state[p][n]  # the device copies go (back() must run before the optimizer's next step)
+
+    def back(self, opt: torch.optim.Optimizer) -> None:
+        if not self.where:
+            return
+        self.staging.wait()  # the copy out has landed
+        host = self.staging.get(sum(t.numel() for t in self.like))
+        device = self.where[0][0].device
+        flat = torch.empty(host.shape, dtype=host.dtype, device=device)
+        flat.copy_(host, non_blocking=host.is_pinned())
+        self.staging.used_until()
+        for (p, n), v in zip(self.where, _unflatten(flat, self.like, own=False)):
+            opt.state[p][n] = v
+        self.where, self.like = [], []
 
 
 def _unflatten(flat: torch.Tensor, like: list[torch.Tensor], own: bool) -> list[torch.Tensor]:
@@ -346,6 +400,8 @@ class Trainer:
         self._staging = Staging()  # pinned host memory for moving factors and moments (CUDA)
         self._moment_staging = Staging()  # the moments' way in (MomentsIn), beside the factors'
         self._moment_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._park_staging = Staging(pin=device.type == "cuda")  # moments between steps (ParkedMoments)
+        self._copy_stream: torch.cuda.Stream | None = None
         # while serving_busy() says requests are being served, steps run on shared_stream (a green context on
         # part of the SMs, dark.learn.jobs.training_stream) when one is set, else on self.stream
         self.shared_stream: torch.cuda.Stream | None = None
@@ -516,6 +572,8 @@ class Trainer:
         # the moments are needed at the first optimizer step: on CUDA they are gathered while the first pass runs
         moments = self._moments_in(optimizer_state) if optimizer_state else None
         inflight, waited = moments, [0.0]
+        park_on = cfg.park_moments if cfg.park_moments is not None else self.device.type == "cuda"
+        park = ParkedMoments(self._park_staging) if park_on else None
 
         def load_moments() -> None:
             nonlocal moments
@@ -533,10 +591,17 @@ class Trainer:
         marks["moments_in"] = time.perf_counter()
         try:
             return self._train_loop(weights, items, cfg, on_step, low_precision, marks, keys, params, flat, opt,
-                                    load_moments, waited)
+                                    load_moments, waited, park)
         finally:
             if isinstance(inflight, MomentsIn):  # whatever happened, the helper is done with the staging buffer
                 inflight.wait()
+
+    def _park_stream(self) -> torch.cuda.Stream | None:
+        if self.device.type != "cuda":
+            return None
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=self.device)
+        return self._copy_stream
 
     def _moments_in(self, optimizer_state: dict):
         """The state with its moments on the device (CPU: at once), or a MomentsIn on its way there (CUDA)."""
@@ -547,7 +612,7 @@ class Trainer:
         return MomentsIn(optimizer_state, self.device, self._moment_staging, self._moment_pool)
 
     def _train_loop(self, weights, items, cfg, on_step, low_precision, marks, keys, params, flat, opt, load_moments,
-                    waited) -> TrainResult:
+                    waited, park: "ParkedMoments | None") -> TrainResult:
         lora = TrainLoRA(params, weights.scaling, {m: o for m, (_, o) in self.model.config.projection_shapes().items()})
         protector = self.protector(cfg.protect_energy)
         if protector is not None:
@@ -616,6 +681,8 @@ class Trainer:
                     (cfg.dpo_weight * pref).backward()
                 torch.nn.utils.clip_grad_norm_(flat, cfg.max_grad_norm)
                 load_moments()
+                if park is not None:
+                    park.back(opt)
                 a_factors = [a for a, _ in params.values()]
                 # A before the step (made here, after backward: not held through the passes). The step's change is
                 # kept out of the everyday directions; every earlier change was, so A's whole change since the job
@@ -629,6 +696,8 @@ class Trainer:
                     del before
                 step += 1
                 losses.append(round(loss_total.item(), 5))
+                if park is not None and step < cfg.max_steps:  # another step may follow: its passes run without them
+                    park.out(opt, flat, self._park_stream())
                 if on_step:
                     on_step(step, losses[-1])
         marks["trained"] = time.perf_counter()
@@ -637,6 +706,8 @@ class Trainer:
         marks["copied"] = time.perf_counter()
         # on the device still: the job publishes the version first, then moves them (optimizer_state_to_host)
         load_moments()  # a job that took no step hands the moments on as they came
+        if park is not None:
+            park.back(opt)  # stopped after a step that had parked them (verified before max_steps)
         state = opt.state_dict()
         timings = {"setup": marks["prepared"] - marks["start"], "steps": marks["trained"] - marks["prepared"],
                    "to_host": marks["copied"] - marks["trained"], "factors_in": marks["factors_in"] - marks["start"],
