@@ -621,6 +621,7 @@ class Trainer:
                 for (k, (a, _)), zero in zip(params.items(), zero_b):
                     if zero:  # A can turn freely while B is zero: it changes no output yet
                         a.copy_(protector.project(k, a))
+        marks["protected"] = time.perf_counter()
         anchors = self.anchors(cfg.anchor_prompts) if cfg.kl_weight > 0 else []
         self._reference(items)
         self._reference_anchors(anchors)
@@ -711,7 +712,8 @@ class Trainer:
         state = opt.state_dict()
         timings = {"setup": marks["prepared"] - marks["start"], "steps": marks["trained"] - marks["prepared"],
                    "to_host": marks["copied"] - marks["trained"], "factors_in": marks["factors_in"] - marks["start"],
-                   "moments_in": marks["moments_in"] - marks["factors_in"], "moments_wait": waited[0]}
+                   "moments_in": marks["moments_in"] - marks["factors_in"], "moments_wait": waited[0],
+                   "protector": marks["protected"] - marks["moments_in"], "references": marks["prepared"] - marks["protected"]}
         return TrainResult(out, state, step, losses, verified, anchors_kept=kept,
                            timings={k: round(v, 3) for k, v in timings.items()})
 
