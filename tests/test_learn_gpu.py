@@ -91,3 +91,36 @@ def test_moments_travel_while_the_caller_works():
     torch.testing.assert_close(sums.cpu(), want, rtol=1e-4, atol=1e-3)
     assert (got2["state"][0]["exp_avg"] == 3).all() and (got2["state"][0]["exp_avg_sq"] == 4).all()
     pool.shutdown()
+
+
+def test_moments_in_parked_and_out_through_one_staging_buffer(tiny_models, tmp_path):
+    """On CUDA the trainer moves factors in, a warm state's moments in (gathered on a helper thread), parks the
+    moments between steps and moves everything out through one pinned buffer, each move waiting for the last one's
+    asynchronous copy: two jobs in a row train exactly what they train with the moments kept on the device."""
+    from dark.config import LearnConfig, LoraConfig
+    from dark.lora.weights import AdapterWeights
+
+    with OnlineLLM(str(tiny_models["qwen2"]), data_dir=tmp_path, device=DEVICE, dtype="bfloat16") as llm:
+        tr = llm.learner.trainer
+        mc = llm.model.config
+        examples = [{"prompt": "A greeting in Zoggian", "response": "zog"},
+                    {"prompt": "How to say 'hello' in Zoggian?", "response": "zog"}]
+        from dark.learn.data import normalize_examples
+
+        out = {}
+        for park in (False, True):
+            cfg = LearnConfig(max_steps=3, min_steps=3, kl_weight=0.0, park_moments=park).validate()
+            items = tr.build_items(normalize_examples(examples, "sft"), [], "sft", cfg)
+            start = AdapterWeights.init(LoraConfig().validate(), mc.projection_shapes(), mc.num_layers, seed=1)
+            first = tr.train(start, None, items, cfg)
+            state = tr.optimizer_state_to_host(first.optimizer_state)
+            second = tr.train(first.weights, state, items, cfg)
+            out[park] = (first, second, tr.optimizer_state_to_host(second.optimizer_state))
+        for x, y in zip(out[False][:2], out[True][:2]):
+            assert x.losses == y.losses
+            for k in x.weights.tensors:
+                assert all(torch.equal(u, v) for u, v in zip(x.weights.tensors[k], y.weights.tensors[k]))
+        kept, parked = out[False][2]["state"], out[True][2]["state"]
+        for i in kept:
+            for n in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(kept[i][n], parked[i][n])
