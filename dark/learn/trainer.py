@@ -219,7 +219,6 @@ class MomentsIn:
         self.state, self.where, self.device = state, _state_tensors(state["state"]), device
         self.like = [state["state"][k][n] for k, n in self.where]
         self.total = sum(t.numel() for t in self.like)
-        self.copied: torch.cuda.Event | None = None
         staging.wait()  # the last job's copy out of this buffer is done
 
         def gather() -> torch.Tensor:
@@ -246,6 +245,7 @@ class MomentsIn:
             state[k][n] = t
         return {**self.state, "state": state}
 
+
 def to_host(tensors: list[torch.Tensor], staging: Staging | None = None, own: bool = True) -> list[torch.Tensor]:
     """Host fp32 copies of device tensors in one transfer. own: each result owns its storage (safetensors refuses
     tensors that share one); else they are views of one new host tensor (one copy out of the staging buffer)."""
@@ -270,10 +270,6 @@ class ParkedMoments:
         self.staging = staging
         self.where: list[tuple[torch.Tensor, str]] = []
         self.like: list[torch.Tensor] = []
-
-    @property
-    def parked(self) -> bool:
-        return bool(self.where)
 
     def out(self, opt: torch.optim.Optimizer, params: list[torch.Tensor],
             copy_stream: torch.cuda.Stream | None = None) -> None:
