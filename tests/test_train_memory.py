@@ -294,6 +294,27 @@ def test_parked_moments_train_exactly_the_same(llm, monkeypatch):
     assert kept1[0] == 0 and all(kept1[1:]) and kept2[0] == 0 and all(kept2[1:])
 
 
+def test_moments_in_gathers_on_a_helper_thread_and_takes_them_whole():
+    """MomentsIn (on the CPU here: an ordinary staging buffer, no events): the gathered moments come back exactly,
+    as views of one tensor, the step counters untouched; the buffer is the shared one, reused right after."""
+    import concurrent.futures
+
+    from dark.learn.trainer import MomentsIn, Staging
+
+    staging, pool = Staging(pin=False), concurrent.futures.ThreadPoolExecutor(1)
+    state = {"state": {i: {"step": torch.tensor(float(i)), "exp_avg": torch.randn(4, 30), "exp_avg_sq": torch.rand(30, 4)}
+                       for i in range(3)}, "param_groups": [{"lr": 1e-3, "params": [0, 1, 2]}]}
+    got = MomentsIn(state, torch.device("cpu"), staging, pool).take()
+    staging.get(8).fill_(5.0)  # the next user of the buffer: what was taken is unaffected
+    views = [got["state"][i][n] for i in range(3) for n in ("exp_avg", "exp_avg_sq")]
+    assert len({v.untyped_storage().data_ptr() for v in views}) == 1  # one tensor underneath
+    for i in range(3):
+        assert got["state"][i]["step"] is state["state"][i]["step"]
+        for n in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(got["state"][i][n], state["state"][i][n])
+    pool.shutdown()
+
+
 def test_the_check_after_the_last_step_runs_without_gradients(llm):
     """A job's loop ends with a pass that only checks the final weights (max_steps reached): it runs without
     autograd, in each of a split batch's parts, and every step before it runs each part once with gradients."""

@@ -235,11 +235,7 @@ class MomentsIn:
         self.future.result()
 
     def take(self) -> dict:
-        host = self.future.result()
-        flat = torch.empty(self.total, dtype=torch.float32, device=self.device)
-        flat.copy_(host, non_blocking=True)
-        self.staging.used_until()  # the next gather into the buffer waits for this copy
-        moved = _unflatten(flat, self.like, own=False)
+        moved = _staged_to_device(self.future.result(), self.like, self.device, self.staging)
         state = {k: dict(s) for k, s in self.state["state"].items()}
         for (k, n), t in zip(self.where, moved):
             state[k][n] = t
@@ -298,13 +294,19 @@ class ParkedMoments:
             return
         self.staging.wait()  # the copy out has landed
         host = self.staging.get(sum(t.numel() for t in self.like))
-        device = self.where[0][0].device
-        flat = torch.empty(host.shape, dtype=host.dtype, device=device)
-        flat.copy_(host, non_blocking=host.is_pinned())
-        self.staging.used_until()
-        for (p, n), v in zip(self.where, _unflatten(flat, self.like, own=False)):
+        for (p, n), v in zip(self.where, _staged_to_device(host, self.like, self.where[0][0].device, self.staging)):
             opt.state[p][n] = v
         self.where, self.like = [], []
+
+
+def _staged_to_device(host: torch.Tensor, like: list[torch.Tensor], device: torch.device,
+                      staging: Staging) -> list[torch.Tensor]:
+    """The staging buffer's first len(host) values (filled as `like` flattened) on the device in one copy, as views
+    of one new device tensor shaped as `like`; the buffer's next user waits for the copy (Staging.wait)."""
+    flat = torch.empty(host.shape, dtype=host.dtype, device=device)
+    flat.copy_(host, non_blocking=host.is_pinned())
+    staging.used_until()
+    return _unflatten(flat, like, own=False)
 
 
 def _unflatten(flat: torch.Tensor, like: list[torch.Tensor], own: bool) -> list[torch.Tensor]:
