@@ -36,7 +36,7 @@ def live_at_peak(trace: list[dict]) -> tuple[int, list[dict]]:
             total += e["size"]
             if total > best:
                 best, at_best = total, dict(live)
-        elif e["action"] in ("free_completed",) and e["addr"] in live:
+        elif e["action"] == "free_completed" and e["addr"] in live:
             total -= live.pop(e["addr"])["size"]
     return best, list(at_best.values())
 
@@ -81,7 +81,6 @@ def main() -> None:
     a = ap.parse_args()
     from dark import OnlineLLM
     from dark.config import LearnConfig
-    from dark.engine.sequence import SamplingParams  # noqa: F401  (run_requests uses it)
 
     tmp = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     build_model(QWEN25_7B, a.tokenizer.resolve(), tmp / "model", DEV)

@@ -118,6 +118,7 @@ class Run:
         self.report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": self.device_name(),
                        "torch": torch.__version__, "shape": "tiny Qwen2" if args.tiny else "Qwen2.5-7B-Instruct",
                        "figures": {}, "details": {}, "errors": {}, "seconds": {}}
+        self.peak_before = 0  # the largest peak of the parts run so far (Run.part resets the counter per part)
 
     def device_name(self) -> str:
         if self.device.type == "cuda":
@@ -130,7 +131,7 @@ class Run:
         print(f"--- {name}", flush=True)
         cuda = self.device.type == "cuda"
         if cuda:  # each part's own peak (the memory line takes the largest of the dark parts')
-            self.peak_before = max(getattr(self, "peak_before", 0), torch.cuda.max_memory_allocated(self.device))
+            self.peak_before = max(self.peak_before, torch.cuda.max_memory_allocated(self.device))
             torch.cuda.reset_peak_memory_stats(self.device)
         try:
             fn()
@@ -401,7 +402,7 @@ def memory(run: Run, llm) -> None:
     cache = llm.engine.cache.data
     kv = cache.numel() * cache.element_size()
     # the largest of the dark parts' peaks (Run.part resets the counter per part) and of anything between them
-    peak = max(getattr(run, "peak_before", 0), torch.cuda.max_memory_allocated(run.device))
+    peak = max(run.peak_before, torch.cuda.max_memory_allocated(run.device))
     slots = llm.engine.adapters.slots
     def storage_bytes(tensors) -> int:  # views of one storage (fused weights, grouped factors) count once
         return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())

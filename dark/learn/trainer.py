@@ -173,6 +173,8 @@ class Staging:
         self._event = None  # a copy into or out of the buffer that may still be running (used_until)
 
     def get(self, n: int) -> torch.Tensor:
+        """The buffer's first n values, once the last copy that used it (used_until) is done."""
+        self.wait()
         if self.buf is None or self.buf.numel() < n:
             self.buf = None
             self.buf = torch.empty(n, dtype=torch.float32, pin_memory=self.pin)
@@ -199,9 +201,7 @@ def to_device(tensors: list[torch.Tensor], device: torch.device, staging: Stagin
     if device.type == "cpu":
         return [t.float().clone() for t in tensors]
     total = sum(t.numel() for t in tensors)
-    staging = staging or Staging()
-    staging.wait()  # a copy still using the buffer (MomentsIn, ParkedMoments) is done
-    host = staging.get(total)
+    host = (staging or Staging()).get(total)
     torch.cat([t.reshape(-1).float() for t in tensors], out=host)
     out = _unflatten(host.to(device, non_blocking=True), tensors, own=own)
     torch.cuda.current_stream(device).synchronize()  # the staging buffer may be refilled as soon as this returns
@@ -219,7 +219,6 @@ class MomentsIn:
         self.state, self.where, self.device = state, _state_tensors(state["state"]), device
         self.like = [state["state"][k][n] for k, n in self.where]
         self.total = sum(t.numel() for t in self.like)
-        staging.wait()  # the last job's copy out of this buffer is done
 
         def gather() -> torch.Tensor:
             host = staging.get(self.total)
@@ -248,9 +247,7 @@ def to_host(tensors: list[torch.Tensor], staging: Staging | None = None, own: bo
     if not tensors or tensors[0].device.type == "cpu":
         return [t.float().clone() for t in tensors]
     flat = torch.cat([t.reshape(-1).float() for t in tensors])
-    staging = staging or Staging()
-    staging.wait()  # a copy still using the buffer (MomentsIn, ParkedMoments) is done
-    host = staging.get(flat.numel())
+    host = (staging or Staging()).get(flat.numel())
     host.copy_(flat, non_blocking=True)
     torch.cuda.current_stream(flat.device).synchronize()
     return _unflatten(host if own else host.clone(), tensors, own)
@@ -275,7 +272,6 @@ class ParkedMoments:
             return
         tensors = [opt.state[p][n] for p, n in where]
         flat = torch.cat([t.reshape(-1) for t in tensors])  # on the device, in the step's stream order
-        self.staging.wait()  # the last copy back out of the buffer is done
         host = self.staging.get(flat.numel())
         if copy_stream is not None:
             copy_stream.wait_stream(torch.cuda.current_stream(flat.device))
@@ -292,7 +288,6 @@ class ParkedMoments:
     def back(self, opt: torch.optim.Optimizer) -> None:
         if not self.where:
             return
-        self.staging.wait()  # the copy out has landed
         host = self.staging.get(sum(t.numel() for t in self.like))
         for (p, n), v in zip(self.where, _staged_to_device(host, self.like, self.where[0][0].device, self.staging)):
             opt.state[p][n] = v
