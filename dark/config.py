@@ -102,11 +102,16 @@ class LearnConfig:
                                      # recomputes the layer in backward (activation checkpointing); 0: always, -1: never.
                                      # Measured on a 7B (H200): a pass keeps ~6.6 MiB a token without it (384 tokens:
                                      # 2.6 GiB), ~0.23 MiB with it (4096 tokens: 1.9 GiB), for ~80 ms more a step
-    micro_tokens: int = 3072         # a training batch of more tokens than this runs as parts of at most this many,
+    inputs_to_host_tokens: int = 3072  # CUDA: a checkpointed pass over more tokens than this keeps its layers'
+                                     # inputs in pinned host memory until backward needs them (dark.learn.offload),
+                                     # not on the device (7B: 0.2 MiB a token, 0.8 GiB for 4096 tokens); -1: never.
+                                     # A correction's shorter pass keeps them on the device (the copies cost more
+                                     # than they save there)
+    micro_tokens: int = 4096         # a training batch of more tokens than this runs as parts of at most this many,
                                      # each part's backward right after its forward: one part's activations at a
-                                     # time (a 2 x 2048 batch then holds half); -1: never split. A correction's batch
-                                     # (the example, replayed ones, rewordings: ~2k tokens) stays one pass: a pass
-                                     # of few tokens is bound by the host, and two cost nearly twice one
+                                     # time; -1: never split. A pass's host work (~30k operator calls at 7B) does not
+                                     # grow with its tokens: two parts cost nearly twice one where the host bounds
+                                     # the step (a correction; a 2 x 2048 batch on an H200 with layer checkpointing)
     logits_chunk: int = 128          # rows of logits ([rows, vocabulary] in fp32) made at once for the loss: 256 rows
                                      # of a 152k vocabulary and their backward take ~0.6 GiB, 1024 rows ~2.4 GiB
     park_moments: bool | None = None  # between a job's steps the optimizer's fp32 moments wait in pinned host memory,
@@ -124,6 +129,8 @@ class LearnConfig:
         _check(isinstance(self.checkpoint_tokens, int) and self.checkpoint_tokens >= -1,
                "checkpoint_tokens must be an integer >= -1 (0: always checkpoint, -1: never)")
         _check(isinstance(self.logits_chunk, int) and self.logits_chunk >= 1, "logits_chunk must be a positive integer")
+        _check(isinstance(self.inputs_to_host_tokens, int) and self.inputs_to_host_tokens >= -1,
+               "inputs_to_host_tokens must be an integer >= -1 (-1: never)")
         _check(isinstance(self.micro_tokens, int) and (self.micro_tokens >= 1 or self.micro_tokens == -1),
                "micro_tokens must be a positive integer, or -1 (never split a training batch)")
         _check(self.park_moments in (None, True, False), "park_moments must be true, false or null (on CUDA only)")

@@ -124,3 +124,65 @@ def test_moments_in_parked_and_out_through_one_staging_buffer(tiny_models, tmp_p
         for i in kept:
             for n in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(kept[i][n], parked[i][n])
+
+
+def test_checkpointed_layer_inputs_wait_on_the_host(tiny_models, tmp_path):
+    """InputsToHost: a checkpointed pass's layer inputs wait for backward in pinned host memory. After the
+    forward the device holds none of them (the pass without it holds one [tokens, hidden] tensor a layer), and
+    the backward gives the same gradients, bit for bit. And a whole job trains the same weights either way."""
+    from dark.config import LearnConfig, LoraConfig
+    from dark.engine.attention import SharedPrefixAttention
+    from dark.learn.data import normalize_examples
+    from dark.learn.offload import InputsToHost
+    from dark.learn.trainer import TrainLoRA
+    from dark.lora.weights import AdapterWeights
+
+    with OnlineLLM(str(tiny_models["qwen2"]), data_dir=tmp_path, device=DEVICE, dtype="bfloat16") as llm:
+        model, mc, dev = llm.model, llm.model.config, torch.device(DEVICE)
+        start = AdapterWeights.init(LoraConfig(target_modules=LORA_TARGETS).validate(), mc.projection_shapes(),
+                                    mc.num_layers, seed=3)
+        params = {k: (a.to(dev).requires_grad_(), (torch.randn_like(b) * 0.05).to(dev).requires_grad_())
+                  for k, (a, b) in start.tensors.items()}
+        lora = TrainLoRA(params, start.scaling, {m: o for m, (_, o) in mc.projection_shapes().items()})
+        tokens = 8192
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, mc.vocab_size, (tokens,), generator=gen).to(dev)
+        pos = torch.arange(tokens, device=dev) % 512
+        attn = SharedPrefixAttention(0, tokens // 512, 512, dev)
+        saved = InputsToHost(dev)
+        kept, grads = {}, {}
+        for to_host in (False, True):
+            for a, b in params.values():
+                a.grad = b.grad = None
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            hidden = model.hidden_states(ids, pos, attn, lora.prepared(torch.bfloat16), checkpoint=True,
+                                         saved=saved if to_host else None)
+            torch.cuda.synchronize()
+            torch.empty(1, device=dev)  # the allocator frees blocks whose side-stream use has ended at its next call
+            kept[to_host] = torch.cuda.memory_allocated() - before - hidden.numel() * hidden.element_size()
+            hidden.float().square().mean().backward()
+            grads[to_host] = [t.grad.clone() for p in params.values() for t in p]
+        layer_input = tokens * mc.hidden_size * 2
+        assert saved.moved == mc.num_layers * layer_input, (saved.moved, layer_input)
+        assert kept[False] - kept[True] >= mc.num_layers * layer_input, kept
+        # the same gradients (within the rounding of flash attention's atomic adds in backward)
+        num = sum(float((x - y).double().square().sum()) for x, y in zip(grads[False], grads[True]))
+        den = sum(float(x.double().square().sum()) for x in grads[False])
+        assert den > 0 and (num / den) ** 0.5 < 1e-3, (num, den)
+
+        tr = llm.learner.trainer
+        examples = normalize_examples([{"prompt": "A greeting in Zoggian", "response": "zog"}], "sft")
+        out = {}
+        moved = saved.moved
+        for to_host in (False, True):
+            cfg = LearnConfig(max_steps=3, min_steps=3, kl_weight=0.0, checkpoint_tokens=0,
+                              inputs_to_host_tokens=0 if to_host else -1).validate()
+            out[to_host] = tr.train(start, None, tr.build_items(examples, [], "sft", cfg), cfg)
+        assert tr._inputs_to_host.moved > (moved if tr._inputs_to_host is saved else 0)
+        assert out[True].losses == pytest.approx(out[False].losses, rel=1e-3), (out[True].losses, out[False].losses)
+        num = sum(float((u - v).square().sum()) for k in start.tensors
+                  for u, v in zip(out[True].weights.tensors[k], out[False].weights.tensors[k]))
+        den = sum(float((v - s).square().sum()) for k in start.tensors
+                  for v, s in zip(out[False].weights.tensors[k], start.tensors[k]))
+        assert (num / den) ** 0.5 < 1e-2, (num, den)

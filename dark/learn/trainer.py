@@ -36,6 +36,7 @@ from ..lora.slots import MEMBERS
 from ..lora.weights import AdapterWeights
 from ..models.decoder import CausalLM
 from .data import Rendered, render, rewordings
+from .offload import InputsToHost
 from .protect import Protector
 
 log = logging.getLogger(__name__)
@@ -400,6 +401,7 @@ class Trainer:
         self._staging = Staging(pin=device.type == "cuda")
         self._moment_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._copy_stream: torch.cuda.Stream | None = None
+        self._inputs_to_host: InputsToHost | None = None  # made on the first checkpointed pass that uses it
         # while serving_busy() says requests are being served, steps run on shared_stream (a green context on
         # part of the SMs, dark.learn.jobs.training_stream) when one is set, else on self.stream
         self.shared_stream: torch.cuda.Stream | None = None
@@ -410,12 +412,15 @@ class Trainer:
             torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
 
     # --- batches ---
-    def _forward(self, rendered: list[Rendered], lora, checkpoint_tokens: int = -1) -> tuple[torch.Tensor, int, int, bool]:
+    def _forward(self, rendered: list[Rendered], lora, checkpoint_tokens: int = -1,
+                 inputs_to_host_tokens: int = -1) -> tuple[torch.Tensor, int, int, bool]:
         """Hidden states of a batch whose common prefix (up to the first prediction) is computed once.
 
         Returns (hidden [prefix + batch * length, hidden size], prefix, length, checkpointed): token t >= prefix
         of sequence b sits at row prefix + b * length + t - prefix. A pass with gradients over more than
-        checkpoint_tokens tokens (0: any, -1: none) recomputes each layer in backward (checkpointed).
+        checkpoint_tokens tokens (0: any, -1: none) recomputes each layer in backward (checkpointed); one over
+        inputs_to_host_tokens (CUDA; -1: none) keeps the layers' inputs in pinned host memory meanwhile
+        (dark.learn.offload).
         """
         seqs = [r.input_ids for r in rendered]
         first = min(next(i for i, label in enumerate(r.labels) if label != -100) for r in rendered)
@@ -431,8 +436,16 @@ class Trainer:
         remat = torch.is_grad_enabled() and 0 <= checkpoint_tokens < len(ids)
         if isinstance(lora, TrainLoRA):
             lora = lora.prepared(self.model.model.embed_tokens.weight.dtype)
+        saved = None
+        if remat and dev.type == "cuda" and 0 <= inputs_to_host_tokens < len(ids):
+            if self._inputs_to_host is None:
+                self._inputs_to_host = InputsToHost(dev)
+            saved = self._inputs_to_host
+        # a checkpointed layer picks its stream as it runs, in the first pass and again in backward (its recompute
+        # and backward): requests that arrive mid-step move the rest of the step to the shared stream within a layer
+        layer_context = self._step_stream if remat and self.stream is not None else None
         hidden = self.model.hidden_states(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), attn, lora,
-                                          checkpoint=remat)
+                                          checkpoint=remat, saved=saved, layer_context=layer_context)
         return hidden, p, n, remat
 
     def _targets(self, labels: list[list[int]], p: int, n: int):
@@ -458,7 +471,7 @@ class Trainer:
         pass each chunk keeps only its hidden rows for backward and makes its logits again there.
         """
         cfg = cfg or LearnConfig()
-        hidden, p, n, remat = self._forward(rendered, lora, cfg.checkpoint_tokens)
+        hidden, p, n, remat = self._forward(rendered, lora, cfg.checkpoint_tokens, cfg.inputs_to_host_tokens)
         rows, targets, owner = self._targets([r.labels for r in rendered], p, n)
         # rows are in sequence order: those of the sequences before full_from come first
         split = len(rows) if full_from is None else sum(label != -100 for r in rendered[:full_from] for label in r.labels[1:])
@@ -467,7 +480,7 @@ class Trainer:
             e = min(split, s + cfg.logits_chunk)
             h, t = hidden[rows[s:e]], targets[s:e]
             if remat:
-                c, m = torch.utils.checkpoint.checkpoint(_chunk_logprobs, self.model, h, t, lora, use_reentrant=False,
+                c, m = torch.utils.checkpoint.checkpoint(_chunk_logprobs, self.model, h, t, lora, use_reentrant=True,
                                                          preserve_rng_state=False)
             else:
                 c, m = _chunk_logprobs(self.model, h, t, lora)
@@ -724,10 +737,12 @@ class Trainer:
 
     @contextmanager
     def _step_stream(self):
-        """The stream for a piece of a step (a step, or a part of a long batch): the shared one (part of the SMs)
-        while requests are being served, else the trainer's own (all of them). A piece on another stream than the
-        one around it starts after what was queued there and the work queued after it waits for it, so a step can
-        move to the shared stream between its parts when requests arrive mid-step."""
+        """The stream for a piece of a step (a step, a part of a long batch, a checkpointed layer's call): the
+        shared one (part of the SMs) while requests are being served, else the trainer's own (all of them). A piece
+        on another stream than the one around it starts after what was queued there and the work queued after it
+        waits for it, so a step can move to the shared stream between its parts and layers when requests arrive
+        mid-step (a checkpointed layer's backward runs its recompute, and so its backward, on the stream picked
+        then: autograd runs a backward operation on its forward's stream)."""
         if self.stream is None:
             yield
             return

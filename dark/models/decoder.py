@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import sys
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -392,6 +393,17 @@ class DecoderLayer(nn.Module):
         return x, self.mlp(h, lora, defer=True)
 
 
+def _within(fn, context):
+    """fn, each of its calls made inside context() (None: fn itself)."""
+    if context is None:
+        return fn
+
+    def run(*args):
+        with context():
+            return fn(*args)
+    return run
+
+
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -431,13 +443,16 @@ class CausalLM(nn.Module):
             m.gate_up = fuse_linears([m.gate_proj, m.up_proj])
 
     def hidden_states(self, input_ids, positions, attn: Attention, lora: LoRA | None = None,
-                      checkpoint: bool = False) -> torch.Tensor:
+                      checkpoint: bool = False, saved=None, layer_context=None) -> torch.Tensor:
         """Final-norm hidden states of a flat batch of tokens ([T] ids and positions) -> [T, hidden].
 
         checkpoint (training): when gradients are on, autograd keeps only each layer's input and runs the
         layer again in backward, instead of keeping every intermediate of every layer (the MLP's alone are
         several times the hidden size per token). Passes without gradients (serving) ignore it; with the fused
         kernels on, they hand each layer's MLP output on unadded (DecoderLayer's defer), to the next norm's launch.
+        saved (with checkpoint): where the layers' inputs wait for backward, a dark.learn.offload.InputsToHost.
+        layer_context (with checkpoint): a callable giving a context manager that each checkpointed layer call runs
+        in, the first run and the recompute in backward alike (the trainer's stream choice).
         """
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
@@ -451,11 +466,19 @@ class CausalLM(nn.Module):
                 return self.model.norm(x)
             return self.model.norm.add_forward(x, pending, delta_lora=_take_deferred(lora))[0]
         remat = checkpoint and torch.is_grad_enabled()
+        if remat and not x.requires_grad:
+            # the reentrant checkpoint below gives a gradient only to outputs of an input that needs one (its
+            # backward then reaches the LoRA factors used inside): the embeddings are frozen, so their output
+            # is made to need one
+            x = x.detach().requires_grad_()
         for layer in self.model.layers:
             if remat:
-                # the layers hold no randomness (no dropout): no RNG state to stash for the second run
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, attn, lora, use_reentrant=False,
-                                                      preserve_rng_state=False)
+                # reentrant: the first run is a plain pass without autograd, and the second an ordinary forward
+                # and backward; the non-reentrant form hooks every tensor saved in both runs (in Python: ~4x
+                # the Python calls of a training step). The layers hold no randomness: no RNG state to stash
+                with saved.keeping(x) if saved is not None else nullcontext():
+                    x = torch.utils.checkpoint.checkpoint(_within(layer, layer_context), x, cos, sin, attn, lora,
+                                                          use_reentrant=True, preserve_rng_state=False)
             else:
                 x = layer(x, cos, sin, attn, lora)
         return self.model.norm(x)

@@ -1,0 +1,120 @@
+"""Where a LoRA training step's time goes, at Qwen2.5-7B shapes (random bf16 weights, rank 16 on all 7
+projections, 2 x 2048 packed tokens as in run_all.py's training line): the step time of several trainer settings
+in one process (each setting's steps back to back), then two steps of the default under torch.profiler: GPU
+kernel time against wall time (a step whose kernels take much less than its wall time waits for the host), the
+host's operator calls a step, and the kernels and operators that take the most.
+
+    PYTHONPATH=$PWD python3 bench/profile_train.py --tokenizer .data/tok --out $OUT/profile_train.json
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import QWEN25_7B  # noqa: E402
+from bench_learn_gpu import build_model, dark_items, train_dark  # noqa: E402
+
+DEV = torch.device("cuda")
+
+# (label, LearnConfig overrides, protector bases kept on the device)
+VARIANTS = [
+    ("default", {}, None),
+    ("layer inputs on the device", {"inputs_to_host_tokens": -1}, None),
+    ("two parts of 2048 tokens", {"micro_tokens": 2048}, None),
+    ("two parts, inputs on the device", {"micro_tokens": 2048, "inputs_to_host_tokens": -1}, None),
+    ("no checkpointing", {"checkpoint_tokens": -1}, None),
+    ("no protector", {"protect_energy": 0.0}, None),
+    ("bases on the device", {}, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    ("default again", {}, None),
+]
+
+
+def steps_of(llm, items, overrides: dict, steps: int) -> dict:
+    from dark.config import LearnConfig
+
+    cfg = LearnConfig(max_steps=steps, min_steps=steps, kl_weight=0.0, **overrides).validate()
+    stamps = []
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    train_dark(llm, items, cfg, lambda step, loss: stamps.append(time.perf_counter()))
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return {"first_step_s": round(stamps[0] - t, 3), "step_ms": [round(1000 * g, 1) for g in gaps],
+            "median_step_ms": round(1000 * statistics.median(gaps), 1)}
+
+
+def profiled(llm, items, steps: int = 2) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from dark.config import LearnConfig
+
+    cfg = LearnConfig(max_steps=steps, min_steps=steps, kl_weight=0.0).validate()
+    train_dark(llm, items, LearnConfig(max_steps=1, min_steps=1, kl_weight=0.0).validate(), None)  # warm
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        train_dark(llm, items, cfg, None)
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    ev = prof.key_averages()
+    kernels = [e for e in ev if e.device_time_total > 0 and "CUDA" in str(getattr(e, "device_type", ""))]
+    ops = [e for e in ev if e.key.startswith("aten::")]
+    gpu = sum(e.device_time_total for e in kernels) / 1000
+    by_count = collections.Counter({e.key: e.count for e in ops})
+    top = sorted(kernels, key=lambda e: -e.device_time_total)[:30]
+    return {"steps": steps + 1, "wall_ms_profiled": round(1000 * wall, 1), "gpu_kernel_ms": round(gpu, 1),
+            "kernel_launches": sum(e.count for e in kernels), "aten_calls": sum(by_count.values()),
+            "top_kernels": [{"name": e.key[:100], "count": e.count, "ms": round(e.device_time_total / 1000, 2)} for e in top],
+            "top_ops_by_count": by_count.most_common(30)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokenizer", type=Path, default=Path(".data/tok"))
+    ap.add_argument("--out", type=Path, default=Path("profile_train.json"))
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--variants", nargs="*", help="labels of VARIANTS to run (default all)")
+    ap.add_argument("--no-profile", action="store_true")
+    a = ap.parse_args()
+    from dark import OnlineLLM
+    from dark.learn import protect
+
+    tmp = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    build_model(QWEN25_7B, a.tokenizer.resolve(), tmp / "model", DEV)
+    torch.cuda.empty_cache()
+    llm = OnlineLLM(str(tmp / "model"), data_dir=tmp / "data", device="cuda", dtype="bfloat16", num_kv_blocks=2048,
+                    max_num_seqs=256, max_num_batched_tokens=8192, max_adapter_slots=34, max_lora_rank=16)
+    items = dark_items(argparse.Namespace(train_batch=2, seq_len=2048, label_tokens=1024))
+    out: dict = {"tokens_per_step": 4096, "variants": {}}
+    default_bases = protect.DEVICE_BASES
+    for label, overrides, bases in VARIANTS:
+        if a.variants and label not in a.variants:
+            continue
+        protect.DEVICE_BASES = bases if bases is not None else default_bases
+        llm.learner.trainer._protectors.clear()  # refitted with this placement of the bases
+        torch.cuda.reset_peak_memory_stats()
+        rec = steps_of(llm, items, overrides, a.steps)
+        rec["tok_s"] = round(4096 / (rec["median_step_ms"] / 1000), 1)
+        rec["peak_alloc_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        out["variants"][label] = rec
+        print(label, json.dumps(rec), flush=True)
+    protect.DEVICE_BASES = default_bases
+    llm.learner.trainer._protectors.clear()
+    if not a.no_profile:
+        out["profile"] = profiled(llm, items)
+        print(json.dumps(out["profile"], indent=1)[:6000], flush=True)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(out, indent=1))
+    llm.close()
+
+
+if __name__ == "__main__":
+    main()
