@@ -74,19 +74,26 @@ def phase(name: str, fn, kv: int, out: dict, history: bool = False) -> None:
     print(name, json.dumps(rec, indent=1), flush=True)
 
 
+def engine_7b(tokenizer: Path):
+    """An OnlineLLM over a random-weight model of Qwen2.5-7B's shapes (in a temporary folder), set up as
+    bench/run_all.py sets it up: 34 adapter slots of rank 16, 256 sequences, 8192-token steps."""
+    from dark import OnlineLLM
+
+    tmp = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    build_model(QWEN25_7B, tokenizer.resolve(), tmp / "model", DEV)
+    torch.cuda.empty_cache()
+    return OnlineLLM(str(tmp / "model"), data_dir=tmp / "data", device="cuda", dtype="bfloat16", num_kv_blocks=2048,
+                     max_num_seqs=256, max_num_batched_tokens=8192, max_adapter_slots=34, max_lora_rank=16)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokenizer", type=Path, default=Path(".data/tok"))
     ap.add_argument("--out", type=Path, default=Path("peak_memory.json"))
     a = ap.parse_args()
-    from dark import OnlineLLM
     from dark.config import LearnConfig
 
-    tmp = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
-    build_model(QWEN25_7B, a.tokenizer.resolve(), tmp / "model", DEV)
-    torch.cuda.empty_cache()
-    llm = OnlineLLM(str(tmp / "model"), data_dir=tmp / "data", device="cuda", dtype="bfloat16", num_kv_blocks=2048,
-                    max_num_seqs=256, max_num_batched_tokens=8192, max_adapter_slots=34, max_lora_rank=16)
+    llm = engine_7b(a.tokenizer)
     cache = llm.engine.cache.data
     kv = cache.numel() * cache.element_size()
     out: dict = {"weights_gib": round(sum(p.numel() * p.element_size() for p in llm.model.parameters()) / 2**30, 3)}

@@ -13,17 +13,14 @@ import collections
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import QWEN25_7B  # noqa: E402
-from bench_learn_gpu import build_model, dark_items, train_dark  # noqa: E402
-
-DEV = torch.device("cuda")
+from bench_learn_gpu import dark_items, train_dark  # noqa: E402
+from probe_peak_memory import engine_7b  # noqa: E402
 
 # (label, LearnConfig overrides, protector bases kept on the device)
 VARIANTS = [
@@ -84,14 +81,9 @@ def main() -> None:
     ap.add_argument("--variants", nargs="*", help="labels of VARIANTS to run (default all)")
     ap.add_argument("--no-profile", action="store_true")
     a = ap.parse_args()
-    from dark import OnlineLLM
     from dark.learn import protect
 
-    tmp = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
-    build_model(QWEN25_7B, a.tokenizer.resolve(), tmp / "model", DEV)
-    torch.cuda.empty_cache()
-    llm = OnlineLLM(str(tmp / "model"), data_dir=tmp / "data", device="cuda", dtype="bfloat16", num_kv_blocks=2048,
-                    max_num_seqs=256, max_num_batched_tokens=8192, max_adapter_slots=34, max_lora_rank=16)
+    llm = engine_7b(a.tokenizer)
     items = dark_items(argparse.Namespace(train_batch=2, seq_len=2048, label_tokens=1024))
     out: dict = {"tokens_per_step": 4096, "variants": {}}
     default_bases = protect.DEVICE_BASES

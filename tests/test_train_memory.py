@@ -65,6 +65,18 @@ def assert_grads_close(got: dict, want: dict, rtol: float) -> None:
             assert (g - w).abs().max() <= rtol * scale, k
 
 
+def hidden_pass(model, lora: TrainLoRA, seed: int, prefix: int = 5, batch: int = 2, length: int = 9, **kwargs):
+    """A shared-prefix batch through CausalLM.hidden_states(**kwargs) with a loss on the hidden states and a few
+    rows of logits, and its backward: (hidden states, loss, the LoRA gradients)."""
+    ids, pos, weight = shared_prefix_batch(model, prefix, batch, length, seed=seed)
+    zero_grads(lora)
+    attn = SharedPrefixAttention(prefix, batch, length, torch.device("cpu"))
+    hidden = model.hidden_states(ids, pos, attn, lora, **kwargs)
+    loss = (hidden * weight).sum() + model.logits(hidden[-4:], lora).logsumexp(-1).sum()
+    loss.backward()
+    return hidden.detach(), loss.detach(), grads(lora)
+
+
 def grads_distance(got: dict, want: dict) -> float:
     """|got - want| / |want| over all gradients (one norm: a bf16 rounding that flips in one entry stays small)."""
     num = sum(float((g - w).square().sum()) for k in want for g, w in zip(got[k], want[k]))
@@ -107,16 +119,7 @@ def test_layer_checkpointing_gives_the_same_loss_and_gradients(llm):
     same hidden states and the same LoRA gradients as keeping every activation."""
     model = llm.learner.trainer.model
     lora = lora_on_everything(model)
-    prefix, batch, length = 5, 2, 9
-    ids, pos, weight = shared_prefix_batch(model, prefix, batch, length, seed=1)
-    results = {}
-    for checkpoint in (False, True):
-        zero_grads(lora)
-        attn = SharedPrefixAttention(prefix, batch, length, torch.device("cpu"))
-        hidden = model.hidden_states(ids, pos, attn, lora, checkpoint=checkpoint)
-        loss = (hidden * weight).sum() + model.logits(hidden[-4:], lora).logsumexp(-1).sum()
-        loss.backward()
-        results[checkpoint] = hidden.detach(), loss.detach(), grads(lora)
+    results = {checkpoint: hidden_pass(model, lora, seed=1, checkpoint=checkpoint) for checkpoint in (False, True)}
     torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(results[True][1], results[False][1], rtol=1e-6, atol=0)
     assert_grads_close(results[True][2], results[False][2], rtol=1e-5)
@@ -144,21 +147,14 @@ def test_layer_inputs_leave_through_the_saved_tensor_hooks(llm):
 
     model = llm.learner.trainer.model
     lora = lora_on_everything(model)
-    prefix, batch, length = 5, 2, 9
-    ids, pos, weight = shared_prefix_batch(model, prefix, batch, length, seed=2)
-    results = {}
-    for saved in (None, Clones()):
-        zero_grads(lora)
-        attn = SharedPrefixAttention(prefix, batch, length, torch.device("cpu"))
-        hidden = model.hidden_states(ids, pos, attn, lora, checkpoint=True, saved=saved)
-        loss = (hidden * weight).sum() + model.logits(hidden[-4:], lora).logsumexp(-1).sum()
-        loss.backward()
-        results[saved is None] = loss.detach(), grads(lora)
-    rows = prefix + batch * length
+    saved = Clones()
+    kept = hidden_pass(model, lora, seed=2, checkpoint=True)
+    away = hidden_pass(model, lora, seed=2, checkpoint=True, saved=saved)
+    rows = 5 + 2 * 9  # the prefix and two sequences of hidden_pass's batch
     assert saved.out == [torch.Size([rows, model.config.hidden_size])] * model.config.num_layers
     assert saved.back == model.config.num_layers
-    torch.testing.assert_close(results[False][0], results[True][0], rtol=0, atol=0)
-    assert grads_distance(results[False][1], results[True][1]) == 0
+    torch.testing.assert_close(away[1], kept[1], rtol=0, atol=0)
+    assert grads_distance(away[2], kept[2]) == 0
 
 
 def test_each_checkpointed_layer_call_runs_in_the_layer_context(llm):
@@ -176,21 +172,12 @@ def test_each_checkpointed_layer_call_runs_in_the_layer_context(llm):
 
     model = llm.learner.trainer.model
     lora = lora_on_everything(model)
-    prefix, batch, length = 3, 2, 7
-    ids, pos, weight = shared_prefix_batch(model, prefix, batch, length, seed=4)
-    results = {}
-    for ctx in (None, context):
-        zero_grads(lora)
-        attn = SharedPrefixAttention(prefix, batch, length, torch.device("cpu"))
-        hidden = model.hidden_states(ids, pos, attn, lora, checkpoint=True, layer_context=ctx)
-        before_backward = len(calls)
-        loss = (hidden * weight).sum() + model.logits(hidden[-4:], lora).logsumexp(-1).sum()
-        loss.backward()
-        results[ctx is None] = loss.detach(), grads(lora)
+    plain = hidden_pass(model, lora, seed=4, checkpoint=True)
+    within = hidden_pass(model, lora, seed=4, checkpoint=True, layer_context=context)
     layers = model.config.num_layers
-    assert before_backward == layers and calls == [False] * layers + [True] * layers
-    torch.testing.assert_close(results[False][0], results[True][0], rtol=0, atol=0)
-    assert grads_distance(results[False][1], results[True][1]) == 0
+    assert calls == [False] * layers + [True] * layers  # the first runs, then the recomputes in backward
+    torch.testing.assert_close(within[1], plain[1], rtol=0, atol=0)
+    assert grads_distance(within[2], plain[2]) == 0
 
 
 def test_passes_without_gradients_never_checkpoint(llm, monkeypatch):
