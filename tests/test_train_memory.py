@@ -83,6 +83,14 @@ def grads_distance(got: dict, want: dict) -> float:
     return (num / sum(float(w.square().sum()) for k in want for w in want[k])) ** 0.5
 
 
+def weights_distance(got: AdapterWeights, want: AdapterWeights, start: AdapterWeights) -> float:
+    """|got - want| / |want - start| over all factors. Not entry by entry: Adam divides by each gradient's own
+    size, so an entry whose gradient is ~1e-9 moves by ~lr whatever the rounding."""
+    num = sum(float((g - w).square().sum()) for k in want.tensors for g, w in zip(got.tensors[k], want.tensors[k]))
+    den = sum(float((w - s).square().sum()) for k in want.tensors for w, s in zip(want.tensors[k], start.tensors[k]))
+    return (num / den) ** 0.5
+
+
 def kept_bytes(fn, exclude: list[torch.Tensor]) -> int:
     """Bytes autograd keeps for backward while fn runs: tensors saved by operations, plus the inputs a
     checkpointed call keeps to run again in backward; each storage counted once, the given tensors (the frozen
@@ -261,13 +269,6 @@ def test_checkpointed_training_trains_the_same_weights(llm):
     model = tr.model
     examples = [{"messages": CONVS[0], "rejected": "blorp"}, {"messages": CONVS[1]}]
 
-    def distance(got, want, start) -> float:
-        """|got - want| / |want - start| over all factors. Not entry by entry: Adam divides by each gradient's
-        own size, so an entry whose gradient is ~1e-9 moves by ~lr whatever the rounding."""
-        num = sum(float((g - w).square().sum()) for k in want.tensors for g, w in zip(got.tensors[k], want.tensors[k]))
-        den = sum(float((w - s).square().sum()) for k in want.tensors for w, s in zip(want.tensors[k], start.tensors[k]))
-        return (num / den) ** 0.5
-
     for kind in ("sft", "unlearn"):
         results = {}
         for checkpoint_tokens, chunk in ((-1, 1024), (-1, 5), (0, 5)):
@@ -278,8 +279,8 @@ def test_checkpointed_training_trains_the_same_weights(llm):
         plain, chunked, remat = results[-1, 1024], results[-1, 5], results[0, 5]
         assert plain.steps == remat.steps == 2
         assert remat.losses == pytest.approx(plain.losses, rel=1e-5, abs=1e-6)
-        assert distance(remat.weights, chunked.weights, start) < 1e-6, kind  # recomputing changes no arithmetic
-        assert distance(remat.weights, plain.weights, start) < 1e-4, kind    # logsumexp in chunks: rounding only
+        assert weights_distance(remat.weights, chunked.weights, start) < 1e-6, kind  # recomputing changes no arithmetic
+        assert weights_distance(remat.weights, plain.weights, start) < 1e-4, kind    # logsumexp in chunks: rounding only
 
 
 def test_micro_batched_training_trains_the_same_weights(llm):
@@ -299,11 +300,7 @@ def test_micro_batched_training_trains_the_same_weights(llm):
     whole, parts = results[-1], results[1]
     assert whole.steps == parts.steps == 2
     assert parts.losses == pytest.approx(whole.losses, rel=1e-5, abs=1e-6)
-    num = sum(float((g - w).square().sum()) for k in whole.weights.tensors
-              for g, w in zip(parts.weights.tensors[k], whole.weights.tensors[k]))
-    den = sum(float((w - s).square().sum()) for k in whole.weights.tensors
-              for w, s in zip(whole.weights.tensors[k], start.tensors[k]))
-    assert (num / den) ** 0.5 < 1e-4
+    assert weights_distance(parts.weights, whole.weights, start) < 1e-4
 
 
 def test_parked_moments_train_exactly_the_same(llm, monkeypatch):
