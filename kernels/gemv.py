@@ -128,9 +128,10 @@ if triton is not None:
                 lb_u = _lora_b(lb_ptr, ls, n + N, lm, stride_bs, stride_br, R, BR)
         wait_prior(PDL)
         if LORA:
-            delta = _lora_delta(lh_ptr, lb, n, N1, N2, BR, MEMBERS, SPLITS, SP)
+            # a token with no slot: lora_shrink left its codes unwritten (any bits, NaN too), and 0 * NaN is NaN
+            delta = tl.where(lm, _lora_delta(lh_ptr, lb, n, N1, N2, BR, MEMBERS, SPLITS, SP), 0.0)
             if GLU:
-                delta_u = _lora_delta(lh_ptr, lb_u, n + N, N1, N2, BR, MEMBERS, SPLITS, SP)
+                delta_u = tl.where(lm, _lora_delta(lh_ptr, lb_u, n + N, N1, N2, BR, MEMBERS, SPLITS, SP), 0.0)
         kk = tl.arange(0, BLOCK_K)
         for m in tl.static_range(M):
             x1 = tl.load(x_ptr + m * stride_xm + k1, mask=k1 < K, other=0.0).to(tl.float32)
