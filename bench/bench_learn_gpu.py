@@ -393,6 +393,28 @@ def example_of(tokenizer, target: int, seed: int) -> dict:
     return {"prompt": " ".join(words[:lo]) + "?", "response": response, "_tokens": length(lo)}
 
 
+# allocator counters whose change over a job says whether it made the caching allocator ask the driver for memory
+# (cudaMalloc / cudaFree), retry after freeing its cache, or wait for every stream (a stream's pool could not serve it)
+ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+
+def job_counters(device) -> dict:
+    """What a job's first-time costs can be told by: the caching allocator's counters (CUDA) and the kernels
+    Triton has compiled into its cache folder so far (a new folder per compiled kernel variant)."""
+    out = {}
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        out = {k: stats.get(k, 0) for k in ALLOCATOR_COUNTERS}
+    try:
+        from triton import knobs
+
+        folder = Path(knobs.cache.dir)
+        out["triton_cache_entries"] = sum(1 for _ in folder.iterdir()) if folder.is_dir() else 0
+    except Exception:  # no Triton, or a layout this version does not have: the allocator's counters alone
+        pass
+    return out
+
+
 def bench_learn_latency(llm, args, report, save) -> None:
     anchors = llm.learner.dir.parent / "anchors.json"
     for k in args.k:
@@ -410,6 +432,7 @@ def bench_learn_latency(llm, args, report, save) -> None:
                 if e["state"] in ("done", "failed"):
                     done.set()
 
+            before = job_counters(llm.engine.device)
             t0 = time.perf_counter()
             job = llm.submit_learn([ex], adapter=name, max_steps=k, min_steps=k, on_event=on_event)
             t_sub = time.perf_counter() - t0
@@ -419,6 +442,7 @@ def bench_learn_latency(llm, args, report, save) -> None:
             first_run = next((t - t0 for t, e in events if e["state"] == "running"), None)
             steps_at = [round(t - t0, 3) for t, e in events if e["state"] == "running" and e.get("step")]
             rep = job.report or {}
+            after = job_counters(llm.engine.device)
             fig = {"k": k, "job": job_no, "adapter": name, "example_tokens": toks, "finished": ok,
                    "state": last.get("state"), "error": job.error, "submit_return_s": round(t_sub, 3),
                    "to_running_s": round(first_run, 3) if first_run is not None else None, "step_events_s": steps_at,
@@ -429,7 +453,8 @@ def bench_learn_latency(llm, args, report, save) -> None:
                    "version": rep.get("version"),
                    "steps": rep.get("steps"), "verified": rep.get("verified"),
                    "job_seconds": rep.get("seconds"), "train_seconds": rep.get("train_seconds"),
-                   "timings": rep.get("timings")}
+                   "timings": rep.get("timings"),
+                   "counters": {key: after[key] - before.get(key, 0) for key in after}}
             report["learn"].append(fig)
             print(json.dumps(fig), flush=True)
             save()
