@@ -1,8 +1,9 @@
 """Serving on the CPU (a laptop's case): dark's engine next to Hugging Face `generate` on the embedded model.
 
-    python bench/bench_serve_cpu.py [--threads 2] [--new-tokens 128] [--out serve.json]
+    python bench/bench_serve_cpu.py [--threads 2] [--new-tokens 128] [--dtypes float32 bfloat16] [--out serve.json]
 
-The embedded SmolLM2-135M-Instruct in fp32, greedy, fixed output lengths (ignore_eos / min_new_tokens), the same
+The embedded SmolLM2-135M-Instruct in each of --dtypes (both systems in the same one), greedy, fixed output
+lengths (ignore_eos / min_new_tokens), the same
 prompts for both. For batch 1 and a batch of 8 prompts: output tok/s over the whole generation (prefill included).
 For dark also: the p50 / p99 time between two streamed tokens of one request alone, and the same while a learn job
 trains in the same process (the chat while it learns), with the job's seconds.
@@ -41,10 +42,10 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def bench_dark(new: int, repeats: int) -> dict:
+def bench_dark(new: int, repeats: int, dtype: str) -> dict:
     from dark import OnlineLLM
 
-    llm = OnlineLLM(data_dir=tempfile.mkdtemp())
+    llm = OnlineLLM(data_dir=tempfile.mkdtemp(), dtype=dtype)
     args = dict(max_tokens=new, ignore_eos=True)
     llm.generate(PROMPTS[0], max_tokens=8)  # warm-up
     res = {}
@@ -86,7 +87,7 @@ def bench_dark(new: int, repeats: int) -> dict:
     return res
 
 
-def bench_hf(new: int, repeats: int) -> dict:
+def bench_hf(new: int, repeats: int, dtype: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dark.models.loader import resolve_model
@@ -94,7 +95,7 @@ def bench_hf(new: int, repeats: int) -> dict:
     path = resolve_model(None)
     tok = AutoTokenizer.from_pretrained(path)
     tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     res = {}
     for batch in (1, 8):
         texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
@@ -117,15 +118,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--out")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor() or platform.machine(),
-              "threads": torch.get_num_threads(), "torch": torch.__version__, "new_tokens": a.new_tokens,
-              "dark": bench_dark(a.new_tokens, a.repeats), "hf": bench_hf(a.new_tokens, a.repeats)}
-    for k in ("bs1_tok_s", "bs8_tok_s"):
-        report[f"ratio_{k}"] = round(report["dark"][k] / report["hf"][k], 2)
+              "threads": torch.get_num_threads(), "torch": torch.__version__, "new_tokens": a.new_tokens}
+    for dtype in a.dtypes:
+        row = report[dtype] = {"dark": bench_dark(a.new_tokens, a.repeats, dtype),
+                               "hf": bench_hf(a.new_tokens, a.repeats, dtype)}
+        for k in ("bs1_tok_s", "bs8_tok_s"):
+            row[f"ratio_{k}"] = round(row["dark"][k] / row["hf"][k], 2)
     text = json.dumps(report, indent=1)
     print(text)
     if a.out:
