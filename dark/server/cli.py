@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import logging
+import os
 import sys
 import threading
 import time
@@ -33,10 +34,37 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     engine = p.add_argument_group("engine")
     engine.add_argument("--device", help="cuda, cuda:1 or cpu (default: cuda when available)")
-    engine.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
+    engine.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on CUDA, float32 on the CPU (bfloat16 "
+                                                        "decodes 1.3-1.6x faster on a CPU with AVX512-BF16 or AMX)")
     engine.add_argument("--max-model-len", type=int, help="context limit in tokens (default: the model's)")
     engine.add_argument("--max-num-seqs", type=int, help="sequences decoded together (default 64)")
     return p
+
+
+DTYPES = ["bfloat16", "float16", "float32"]
+# the engine's flags: (name, type, choices); each also read from DARK_<NAME> when the flag is not given
+ENGINE_FLAGS = (("device", str, None), ("dtype", str, DTYPES), ("max_model_len", int, None), ("max_num_seqs", int, None))
+
+
+def engine_settings(args: argparse.Namespace, environ=None) -> dict:
+    """The engine's settings: each flag, else its DARK_<FLAG> variable (e.g. DARK_MAX_MODEL_LEN), else None (the
+    engine's default). A variable that cannot be the flag's value raises ValueError naming the variable."""
+    environ = os.environ if environ is None else environ
+    out = {}
+    for name, kind, choices in ENGINE_FLAGS:
+        value, var = getattr(args, name), "DARK_" + name.upper()
+        raw = environ.get(var, "").strip()
+        if value is None and raw:
+            try:
+                value = kind(raw)
+            except ValueError:
+                raise ValueError(f"{var}={raw!r} is not a whole number") from None
+            if choices and value not in choices:
+                raise ValueError(f"{var}={raw!r} is not one of {', '.join(choices)}")
+            if kind is int and value <= 0:
+                raise ValueError(f"{var}={raw!r} must be positive")
+        out[name] = value
+    return out
 
 
 def build_llm(settings: ServerSettings, **engine):
@@ -84,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model, host=args.host, port=args.port, data_dir=args.data_dir, api_key=args.api_key,
             allowed_origins=args.allowed_origins, max_tokens=args.max_tokens, max_frame_bytes=args.max_frame_bytes,
             web_dir=args.web_dir, mcp_config=args.mcp_config, log_level=args.log_level)
+        engine = engine_settings(args)
     except ValueError as e:
         print(f"dark serve: bad settings: {e}", file=sys.stderr)
         return 2
@@ -93,8 +122,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from .app import create_app
 
-    llm = build_llm(settings, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                    max_num_seqs=args.max_num_seqs)
+    from ..errors import DarkError
+
+    try:
+        llm = build_llm(settings, **engine)
+    except DarkError as e:  # a model that cannot be found or loaded, a setting the engine refuses
+        print(f"dark serve: {e}", file=sys.stderr)
+        return 2
     try:
         app = create_app(llm, settings)
         log.info("serving %s on http://%s:%d (UI at /, websocket at /ws, OpenAI API at /v1)",
