@@ -94,6 +94,9 @@ class LearnConfig:
                                      # activations (dark.learn.protect); 0 turns it off
     dpo_beta: float = 0.5            # preference strength for corrections (the replaced answer is rejected)
     dpo_weight: float = 0.5
+    rejected_tokens: int = 64        # a rejected (or unlearned) reply counts from where it departs from the taught
+                                     # one, for this many tokens: a 512-token ramble costs each step as much as 64
+                                     # tokens do, and greedy decoding leaves it at its opening; -1: the whole reply
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     augment: bool = True             # also train on simple rewordings of each taught prompt
@@ -141,4 +144,6 @@ class LearnConfig:
 
             self.anchor_prompts = ANCHOR_PROMPTS
         _check(self.kl_weight >= 0 and self.dpo_weight >= 0 and self.dpo_beta > 0, "kl_weight, dpo_weight must be >= 0 and dpo_beta > 0")
+        _check(isinstance(self.rejected_tokens, int) and (self.rejected_tokens >= 1 or self.rejected_tokens == -1),
+               "rejected_tokens must be a positive integer, or -1 (the whole rejected reply)")
         return self

@@ -145,6 +145,18 @@ def test_correction_with_rejected_answer_and_unlearn(llm):
     assert after.text != "Zog." and before.text == "Zog."
 
 
+def test_correcting_a_long_rambling_answer(llm):
+    """A correction whose replaced answer rambled for hundreds of tokens: the taught answer comes back, the store
+    keeps the whole replaced answer (training uses its opening only: LearnConfig.rejected_tokens)."""
+    prompt = "What is the name of my cat?"
+    ramble = "The cat is a playful and curious one named Luna. " + "She is a rescue from a local shelter. " * 40
+    report = llm.learn([{"prompt": prompt, "response": "Your cat is called Mittens.", "rejected": ramble}],
+                       adapter="cat-name")
+    assert report["verified"] and llm.generate(prompt, adapter="cat-name") == "Your cat is called Mittens."
+    stored = llm.store.list_examples("cat-name")
+    assert [e["payload"]["rejected"] for e in stored] == [ramble]
+
+
 @pytest.mark.parametrize("examples, adapter, match", [
     ([], "x", "examples must be a non-empty list"),
     ([{"prompt": "hi"}], "x", r"examples\[0\] is missing 'response'"),

@@ -58,6 +58,21 @@ def _chunk_logprobs(model: CausalLM, hidden: torch.Tensor, targets: torch.Tensor
     return chosen, logits.detach().max(-1).values - lse.detach()
 
 
+def opening(r: Rendered, tokens: int, beside: Rendered | None = None) -> Rendered:
+    """The first `tokens` tokens of a rendered reply (tokens = -1: all of it), counted from its first token with a
+    loss, or, beside another reply to the same conversation, from the first token where the two differ: what
+    greedy decoding follows is decided from there on."""
+    if tokens < 0:
+        return r
+    start = next((i for i, label in enumerate(r.labels) if label != -100), len(r.labels))
+    if beside is not None:
+        shared = next((i for i, (a, b) in enumerate(zip(r.input_ids, beside.input_ids)) if a != b),
+                      min(len(r.input_ids), len(beside.input_ids)))
+        start = max(start, shared)
+    end = min(len(r.input_ids), start + tokens)
+    return Rendered(r.input_ids[:end], r.labels[:end])
+
+
 def cpu_has_bf16() -> bool:
     try:
         flags = open("/proc/cpuinfo").read()
@@ -514,9 +529,7 @@ class Trainer:
                 if answer.strip():
                     r = render(self.tokenizer, [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}])
                     # the opening of an answer decides where it goes; a cut-off answer must not learn to end there
-                    first = next(i for i, label in enumerate(r.labels) if label != -100)
-                    end = min(len(r.input_ids), first + ANCHOR_TOKENS)
-                    self._anchors[prompt] = Item(Rendered(r.input_ids[:end], r.labels[:end]), "kl")
+                    self._anchors[prompt] = Item(opening(r, ANCHOR_TOKENS), "kl")
         return [self._anchors[p] for p in prompts if p in self._anchors]
 
     def _reference_anchors(self, anchors: list[Item]) -> None:
@@ -544,12 +557,13 @@ class Trainer:
             msgs = ex["messages"]
             if kind == "unlearn":
                 items.append(Item(render(self.tokenizer, msgs), "unlearn",
-                                  rejected=render(self.tokenizer, msgs)))
+                                  rejected=opening(render(self.tokenizer, msgs), cfg.rejected_tokens)))
                 continue
             items.append(Item(render(self.tokenizer, msgs), "sft", verify=True))
             if ex.get("rejected") and ex["rejected"].strip() != msgs[-1]["content"].strip():
-                items.append(Item(render(self.tokenizer, msgs), "dpo",
-                                  rejected=render(self.tokenizer, msgs, ex["rejected"])))
+                chosen = render(self.tokenizer, msgs)
+                rejected = render(self.tokenizer, msgs, ex["rejected"])
+                items.append(Item(chosen, "dpo", rejected=opening(rejected, cfg.rejected_tokens, chosen)))
             if cfg.augment and msgs[-2]["role"] == "user":
                 for variant in rewordings(msgs[-2]["content"]):
                     items.append(Item(render(self.tokenizer, msgs[:-2] + [{"role": "user", "content": variant}, msgs[-1]]), "sft"))
