@@ -146,6 +146,29 @@ class OnlineLLM:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
+    def fit_conversation(self, messages: list[dict], reply_tokens: int = 0) -> tuple[list[dict], int]:
+        """The latest part of a conversation that fits the context window with room for a reply of `reply_tokens`
+        (at most half the window is held for it): the oldest turns after the leading system messages are left
+        out, from one user turn to the next, so what is kept starts with a user turn. Returns (messages, how many
+        were left out). The last user turn and what follows it are always kept: when they alone do not fit, the
+        conversation comes back whole (submitting it raises PromptTooLongError, as before)."""
+        limit = self.engine.max_model_len
+        room = limit - 1 - max(0, min(int(reply_tokens or 0), limit // 2))
+        if len(self.encode(messages)) <= room:
+            return messages, 0
+        head = 0
+        while head < len(messages) and messages[head].get("role") == "system":
+            head += 1
+        cuts = [i for i in range(head + 1, len(messages)) if messages[i].get("role") == "user"]
+        fits = lambda i: len(self.encode(messages[:head] + messages[i:])) <= room  # noqa: E731
+        if not cuts or not fits(cuts[-1]):
+            return messages, 0
+        lo, hi = 0, len(cuts) - 1  # the earliest cut that fits (a later cut keeps less, so fits too)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(cuts[mid]) else (mid + 1, hi)
+        return messages[:head] + messages[cuts[lo]:], cuts[lo] - head
+
     def _adapter_key(self, adapter: str | None, version: int | None = None):
         if adapter is None or adapter == "":
             return None

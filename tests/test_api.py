@@ -150,3 +150,28 @@ def test_the_model_is_out_of_the_collectors_sight_while_it_serves(llm):
     assert gc.get_freeze_count() > 10_000
     frozen = {id(o) for o in gc.get_objects(generation=None)}  # tracked objects not frozen
     assert not any(id(p) in frozen for p in llm.model.parameters())
+
+
+def test_a_long_conversation_keeps_its_latest_turns(llm):
+    """fit_conversation: the system prompt and the latest whole turns that fit the window (512 tokens here) with
+    room for the reply; a conversation that fits, or whose last turn alone does not, comes back unchanged."""
+    system = {"role": "system", "content": "You are terse."}
+    turns = []
+    for i in range(12):
+        turns += [{"role": "user", "content": f"Fact {i}: " + "the quick brown fox jumps over the lazy dog " * 6},
+                  {"role": "assistant", "content": "Noted. " * 10}]
+    messages = [system] + turns + [{"role": "user", "content": "What is the capital of France?"}]
+    room = 512 - 1 - 64
+    assert len(llm.encode(messages)) > room
+    kept, dropped = llm.fit_conversation(messages, reply_tokens=64)
+    assert dropped > 0 and dropped % 2 == 0 and kept == [system] + messages[1 + dropped:]
+    assert len(llm.encode(kept)) <= room < len(llm.encode([system] + messages[1 + dropped - 2:]))  # the earliest cut
+    assert llm.complete(kept, max_tokens=8).prompt_tokens == len(llm.encode(kept))
+    # the reply's room is at most half the window
+    assert llm.fit_conversation(messages, reply_tokens=10_000)[1] >= dropped
+    assert len(llm.encode(llm.fit_conversation(messages, reply_tokens=10_000)[0])) <= 512 - 1 - 256
+    assert llm.fit_conversation(messages[-3:], 64) == (messages[-3:], 0)
+    huge = [{"role": "user", "content": "word " * 2000}]
+    assert llm.fit_conversation(turns[:2] + huge, 64) == (turns[:2] + huge, 0)
+    with pytest.raises(PromptTooLongError):
+        llm.chat(turns[:2] + huge, max_tokens=8)

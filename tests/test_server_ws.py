@@ -279,3 +279,39 @@ def test_closing_the_socket_stops_its_generations(server, llm):
             await asyncio.sleep(0.05)
         return False
     assert run(go()), "the generation kept running after its socket closed"
+
+
+def test_a_conversation_longer_than_the_context_keeps_going(tmp_path):
+    """Past the context window (1024 tokens here) a conversation is answered from its latest turns, says how many
+    messages it left out, keeps every message stored, and a correction of such a reply learns the turns that fit
+    (one training step here: the example, not the learning, is under test)."""
+    note = "the quick brown fox jumps over the lazy dog and then it runs away into the green forest. " * 14
+    with OnlineLLM(max_model_len=1024, data_dir=tmp_path, learn={"max_steps": 1, "augment": False}) as llm, \
+            ServerThread(create_app(llm, ServerSettings(max_frame_bytes=4096, default_max_tokens=40))) as server:
+        async def go():
+            async with await session(server) as s:
+                cid, dones = None, []
+                for i in range(5):
+                    msg = {"type": "chat", "content": f"Note {i}: {note}", "sampling": {"max_tokens": 8}}
+                    if cid:
+                        msg["conversation_id"] = cid
+                    *_, done = await s.request(msg)
+                    assert done["type"] == "done", done
+                    cid = done["conversation_id"]
+                    dones.append(done)
+                assert dones[0]["context_dropped"] == 0
+                last = dones[-1]
+                assert last["context_dropped"] >= 2 and last["context_dropped"] % 2 == 0  # whole turns
+                assert last["usage"]["prompt_tokens"] <= 1024 - 1 - 8
+                (history,) = await s.request({"type": "history", "conversation_id": cid})
+                assert len(history["messages"]) == 10  # nothing left out of the store
+                assert history["messages"][-1]["meta"]["context_dropped"] == last["context_dropped"]
+                frames = await s.request({"type": "correct", "message_id": last["message_id"], "content": "Noted.",
+                                          "adapter": "long-notes"}, timeout=300)
+                assert frames[-1]["type"] == "job" and frames[-1]["state"] == "done", frames[-1]
+                (example,) = llm.store.list_examples("long-notes")
+                taught = example["payload"]["messages"]
+                assert taught[0]["content"].startswith("Note ") and taught[0]["content"] != f"Note 0: {note}"
+                assert taught[-1] == {"role": "assistant", "content": "Noted."}
+                assert len(llm.encode(taught)) < 1024
+        run(go())

@@ -118,6 +118,8 @@ class MessageView {
       if (usage && !this.pending) parts.push(`${usage.completion_tokens} tok`, `${usage.tokens_per_second} tok/s`);
       if (d.finish_reason === "abort") parts.push("stopped");
       if (d.finish_reason === "length") parts.push("cut at max tokens");
+      const dropped = d.context_dropped ?? d.meta?.context_dropped;
+      if (dropped) parts.push(`answered from the latest turns (${dropped} earlier message${dropped === 1 ? "" : "s"} beyond the context window)`);
       if (d.meta?.corrected) parts.push("corrected");
     }
     this.node.querySelector(".meta").textContent = parts.join(" · ");

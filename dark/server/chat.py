@@ -88,8 +88,10 @@ class ChatService:
                      on_token: Callable[[str], None], source: str = "ws") -> Done:
         """Generate the reply to a prepared turn, calling on_token with each piece, and store it."""
         engine_adapter, reported = await asyncio.to_thread(self.state.resolve_adapter, adapter)
+        # a conversation longer than the context window keeps its latest turns (and its system prompt)
+        prompt, dropped = await asyncio.to_thread(self._fit, turn.prompt, args.get("max_tokens", 0))
         started = time.monotonic()
-        await gen.start(turn.prompt, engine_adapter, args)
+        await gen.start(prompt, engine_adapter, args)
         async for out in gen.outputs():
             if out.error is not None:
                 raise out.error
@@ -111,10 +113,14 @@ class ChatService:
         stored = await asyncio.to_thread(
             self.store.add_message, turn.conversation_id, "assistant", text, parent_id=turn.parent_id,
             adapter=ref.name if ref else None, adapter_version=ref.version if ref else None, finish_reason=reason,
-            meta={"usage": usage.model_dump()})
+            meta={"usage": usage.model_dump(), **({"context_dropped": dropped} if dropped else {})})
         self.state.metrics.generation(source, reason, prompt_tokens, completion_tokens)
         return Done(conversation_id=turn.conversation_id, message_id=stored["id"], parent_id=turn.parent_id,
-                    text=text, finish_reason=reason, adapter=ref, usage=usage)
+                    text=text, finish_reason=reason, adapter=ref, usage=usage, context_dropped=dropped)
+
+    def _fit(self, messages: list[dict], reply_tokens: int) -> tuple[list[dict], int]:
+        fit = getattr(self.state.llm, "fit_conversation", None)
+        return fit(messages, reply_tokens) if fit is not None else (messages, 0)
 
     # --- corrections ---
     def _correct(self, msg: Correct) -> dict:
@@ -132,7 +138,8 @@ class ChatService:
         if msg.content == old:
             raise InvalidRequestError("the correction is the same as the reply; change the text first")
         history = self.store.history_until(target["id"])[:-1]
-        example = {"messages": _prompt(history) + [{"role": "assistant", "content": msg.content}]}
+        # taught with the latest turns that fit the context window, as the reply was answered from them
+        example = {"messages": self._fit(_prompt(history) + [{"role": "assistant", "content": msg.content}], 0)[0]}
         kind = msg.kind or self.state.settings.correction_kind
         if old.strip():
             example["rejected"] = old

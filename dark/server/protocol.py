@@ -310,6 +310,7 @@ class Done(ServerMessage):
     finish_reason: str              # stop | length | abort | error
     adapter: AdapterRef | None
     usage: Usage
+    context_dropped: int = 0        # earlier messages left out: the conversation is longer than the context window
 
 
 class Job(ServerMessage):
