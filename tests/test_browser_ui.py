@@ -172,6 +172,30 @@ def test_model_text_never_becomes_html(server, llm, page):
     assert body.query_selector("p code").inner_text() == "<i>code</i>"
 
 
+def test_a_long_conversation_says_what_it_left_out(server, llm, page):
+    """A conversation past the context window (1024 tokens) still answers, from its latest turns, and the reply
+    says how many earlier messages were beyond the window, live and when the conversation is opened again."""
+    note = "the quick brown fox jumps over the lazy dog and then it runs away into the green forest. " * 14
+    conv = llm.store.create_conversation(title="long notes")
+    parent = None
+    for i in range(4):
+        parent = llm.store.add_message(conv["id"], "user", f"Note {i}: {note}", parent_id=parent)["id"]
+        parent = llm.store.add_message(conv["id"], "assistant", "Noted.", parent_id=parent)["id"]
+    sign_in(page, server.url)
+    page.click("#conversation-list button[title]:text('long notes')")
+    page.wait_for_selector(".message[data-role=assistant] .body")
+    page.fill("#input", "Which note came last?")
+    page.keyboard.press("Enter")
+    page.wait_for_function("() => document.querySelectorAll('.message[data-role=assistant]').length === 5")
+    page.wait_for_function(LAST_REPLY_DONE)
+    meta = page.locator(".message[data-role=assistant] .meta").last.inner_text()
+    assert "answered from the latest turns (2 earlier messages beyond the context window)" in meta
+    page.click("#new-chat")
+    page.click("#conversation-list button[title]:text('long notes')")
+    page.wait_for_function("() => document.querySelectorAll('.message[data-role=assistant]').length === 5")
+    assert "2 earlier messages beyond" in page.locator(".message[data-role=assistant] .meta").last.inner_text()
+
+
 def test_phone_width(server, browser):
     context = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True)
     page = context.new_page()

@@ -151,7 +151,7 @@ class MessageView {
     this.pending = false;
     Object.assign(this.data, {
       id: done.message_id, content: done.text, finish_reason: done.finish_reason,
-      adapter: done.adapter, usage: done.usage, parent_id: done.parent_id,
+      adapter: done.adapter, usage: done.usage, parent_id: done.parent_id, context_dropped: done.context_dropped,
     });
     this.render();
   }
