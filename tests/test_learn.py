@@ -145,6 +145,14 @@ def test_correction_with_rejected_answer_and_unlearn(llm):
     assert after.text != "Zog." and before.text == "Zog."
 
 
+def test_a_conversation_with_an_empty_stopped_reply_teaches_its_last_reply(llm):
+    convo = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": ""},
+             {"role": "user", "content": "What is the colour of Zoggian grass?"},
+             {"role": "assistant", "content": "Zoggian grass is purple."}]
+    report = llm.learn([{"messages": convo, "rejected": "Green."}], adapter="zog-grass")
+    assert report["verified"] and llm.chat(convo[:3], adapter="zog-grass") == "Zoggian grass is purple."
+
+
 def test_correcting_a_long_rambling_answer(llm):
     """A correction whose replaced answer rambled for hundreds of tokens: the taught answer comes back, the store
     keeps the whole replaced answer (training uses its opening only: LearnConfig.rejected_tokens)."""

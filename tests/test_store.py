@@ -123,6 +123,17 @@ def test_examples(store):
                                   "tools": [{"name": "now"}]}], source="tool")
 
 
+def test_only_the_taught_assistant_turn_needs_text(store):
+    # a reply stopped before its first token, then answered after: the conversation still teaches its last reply
+    stopped = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": ""},
+               {"role": "user", "content": "Go on."}, {"role": "assistant", "content": "Blue."}]
+    [eid] = store.add_examples("colours", [{"messages": stopped, "rejected": "Red."}], kind="preference")
+    assert store.list_examples("colours")[0]["payload"]["messages"] == stopped
+    with pytest.raises(InvalidRequestError, match=r"examples\[0\]\.messages\[3\]\.content must be a non-empty string"):
+        store.add_examples("colours", [{"messages": stopped[:3] + [{"role": "assistant", "content": " "}]}])
+    assert [e["id"] for e in store.list_examples("colours")] == [eid]
+
+
 def test_a_bad_example_writes_none_of_the_batch(store):
     good = {"prompt": "hi", "response": "zog"}
     with pytest.raises(InvalidRequestError, match=r"examples\[2\]\.response"):

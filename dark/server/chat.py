@@ -145,9 +145,11 @@ class ChatService:
             example["rejected"] = old
         else:
             kind = "sft"  # an empty (stopped) reply is nothing to prefer against
+        # the example and its job first (one transaction): a correction that cannot be queued leaves the reply as
+        # it was, and once the reply shows the correction, its job is on disk
+        queued = learning.submit([example], adapter, kind=kind, source="correction", message_id=target["id"])
         self.store.update_message_content(target["id"], msg.content,
                                           meta={**(target.get("meta") or {}), "corrected": True})
-        queued = learning.submit([example], adapter, kind=kind, source="correction", message_id=target["id"])
         return queued
 
     async def correct(self, msg: Correct) -> dict:

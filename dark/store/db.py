@@ -153,8 +153,11 @@ def _check_example(where: str, ex: Any, kind: str) -> None:
                 raise InvalidRequestError(f"{at} must be an object")
             if m.get("role") not in ROLES:
                 raise InvalidRequestError(f"{at}.role must be one of {', '.join(ROLES)}, got {m.get('role')!r:.40}")
-            # An assistant turn that only calls tools may have empty content; content is never a non-string.
-            _text(f"{at}.content", m.get("content"), empty=bool(m.get("tool_calls")) or m["role"] != "assistant")
+            # The last turn is the one taught: an assistant reply needs text there unless it only calls tools.
+            # Earlier assistant turns may be empty (a reply stopped before its first token, answered after);
+            # content is never a non-string.
+            _text(f"{at}.content", m.get("content"),
+                  empty=bool(m.get("tool_calls")) or m["role"] != "assistant" or i < len(msgs) - 1)
         if not any(m["role"] == "assistant" for m in msgs):
             raise InvalidRequestError(f"{where}.messages needs at least one assistant turn to learn from")
     elif "prompt" in ex or "response" in ex:
