@@ -1,0 +1,140 @@
+"""Corrections of different lengths, one after another, on Qwen2.5-7B-Instruct shapes (random bf16 weights).
+
+run_all's correction line times a second job on the same adapter; a user's corrections each have their own
+length. This probe asks whether a job's time depends on having met its shapes before, and what the attention
+backend of the training passes has to do with it:
+
+1. SDPA alone, the trainer's shapes (28 query heads, 4 key/value heads, head size 128, causal; GQA): forward +
+   backward of a length met for the first time and again, under each backend torch may pick (its own choice,
+   cuDNN, flash, memory-efficient), a new set of lengths per backend;
+2. the whole correction: a fresh server (OnlineLLM), a first job on a new adapter, then jobs of ~512-token
+   examples whose lengths differ a little (as real corrections do) and one repeating a length, with torch's
+   default SDPA backends and with cuDNN's turned off (torch.backends.cuda.enable_cudnn_sdp), alternating.
+
+    PYTHONPATH=$PWD python3 bench/probe_correction_shapes.py --tokenizer .data/tok --out $OUT/shapes.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_decode import QWEN25_7B, TINY  # noqa: E402
+from bench_learn_gpu import build_model, example_of  # noqa: E402
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def sdpa_probe(dev, dtype, heads, kv_heads, dim, lengths_by_backend: dict) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {"default": None, "cudnn": [SDPBackend.CUDNN_ATTENTION], "flash": [SDPBackend.FLASH_ATTENTION],
+                "efficient": [SDPBackend.EFFICIENT_ATTENTION]}
+    out = {}
+    for name, lengths in lengths_by_backend.items():
+        rows = []
+        for n in lengths:
+            q = torch.randn(1, heads, n, dim, device=dev, dtype=dtype, requires_grad=True)
+            k = torch.randn(1, kv_heads, n, dim, device=dev, dtype=dtype, requires_grad=True)
+            v = torch.randn(1, kv_heads, n, dim, device=dev, dtype=dtype, requires_grad=True)
+            times = []
+            for _ in range(3):
+                sync(dev)
+                t = time.perf_counter()
+                try:
+                    if backends[name] is None:
+                        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                    else:
+                        with sdpa_kernel(backends[name]):
+                            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                    o.sum().backward()
+                    sync(dev)
+                except RuntimeError as e:
+                    rows.append({"length": n, "error": str(e)[:200]})
+                    break
+                times.append(round((time.perf_counter() - t) * 1000, 2))
+            if times:
+                rows.append({"length": n, "first_ms": times[0], "again_ms": times[1:]})
+        out[name] = rows
+        print(json.dumps({name: rows}), flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokenizer", type=Path, default=Path(".data/tok"))
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 470, 430, 500, 512],
+                    help="example token targets per round (the last repeats an earlier length)")
+    ap.add_argument("--first", default="no-cudnn", choices=["default", "no-cudnn"],
+                    help="the backends of the process's first job (a new adapter)")
+    ap.add_argument("--rounds", nargs="+", default=["default", "no-cudnn", "default", "no-cudnn"])
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    shape = TINY if args.tiny else QWEN25_7B
+    report: dict = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                    "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+    def save():
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=1))
+
+    heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
+    dim = shape["hidden_size"] // heads
+    if dev.type == "cuda":
+        report["sdpa"] = sdpa_probe(dev, torch.bfloat16, heads, kv, dim, {
+            "default": [1011, 1203, 1407], "cudnn": [1013, 1205, 1409], "flash": [1015, 1207, 1411],
+            "efficient": [1017, 1209, 1413]})
+        save()
+
+    from dark import OnlineLLM
+
+    tmp = Path(tempfile.mkdtemp(prefix="dark-shapes-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    hf = build_model(shape, args.tokenizer.resolve(), tmp / "model", dev)
+    del hf
+    torch.cuda.empty_cache() if dev.type == "cuda" else None
+    llm = OnlineLLM(str(tmp / "model"), data_dir=tmp / "data", device=str(dev), dtype="bfloat16",
+                    num_kv_blocks=4096 if dev.type == "cuda" else 512, max_adapter_slots=4, max_lora_rank=16)
+    jobs = report["jobs"] = []
+    try:
+        seed = 0
+        for r, mode in enumerate([args.first] + args.rounds):
+            if dev.type == "cuda":
+                torch.backends.cuda.enable_cudnn_sdp(mode != "no-cudnn")
+            # each round its own lengths (5 tokens apart a round); a round's last job repeats its first one's
+            for target in ([512] if r == 0 else [n - 5 * r for n in args.lengths]):
+                seed += 1
+                ex = example_of(llm.tokenizer, target if dev.type == "cuda" else target // 8, seed=seed)
+                toks = ex.pop("_tokens")
+                t0 = time.perf_counter()
+                job = llm.submit_learn([ex], adapter="probe", max_steps=1, min_steps=1)
+                rep = job.wait(180)
+                fig = {"round": r, "mode": mode + (" (first job)" if r == 0 else ""), "example_tokens": toks,
+                       "to_published_s": round(job.published_at - t0, 3) if job.published_at else None,
+                       "train_steps_s": (rep.get("timings") or {}).get("train_steps"),
+                       "train_setup_s": (rep.get("timings") or {}).get("train_setup")}
+                jobs.append(fig)
+                print(json.dumps(fig), flush=True)
+                save()
+    finally:
+        llm.close()
+    save()
+
+
+if __name__ == "__main__":
+    main()
