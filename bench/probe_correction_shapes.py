@@ -82,6 +82,11 @@ def main() -> None:
                     help="example token targets per round (the last repeats an earlier length)")
     ap.add_argument("--first", default="no-cudnn", choices=["default", "no-cudnn"],
                     help="the backends of the process's first job (a new adapter)")
+    ap.add_argument("--warm", default="on", choices=["on", "off", "main"],
+                    help="the server's warm-up step (warm_learning): on (default on CUDA), off, or off and run by "
+                         "this script on the main thread instead (profiled), to tell per-thread from per-process costs")
+    ap.add_argument("--skip-sdpa", action="store_true")
+    ap.add_argument("--model-dir", type=Path, help="reuse (or build once into) this folder")
     ap.add_argument("--rounds", nargs="+", default=["default", "no-cudnn", "default", "no-cudnn"])
     args = ap.parse_args()
     dev = torch.device(args.device)
@@ -96,7 +101,7 @@ def main() -> None:
 
     heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
     dim = shape["hidden_size"] // heads
-    if dev.type == "cuda":
+    if dev.type == "cuda" and not args.skip_sdpa:
         report["sdpa"] = sdpa_probe(dev, torch.bfloat16, heads, kv, dim, {
             "default": [1011, 1203, 1407], "cudnn": [1013, 1205, 1409], "flash": [1015, 1207, 1411],
             "efficient": [1017, 1209, 1413]})
@@ -105,13 +110,33 @@ def main() -> None:
     from dark import OnlineLLM
 
     tmp = Path(tempfile.mkdtemp(prefix="dark-shapes-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
-    hf = build_model(shape, args.tokenizer.resolve(), tmp / "model", dev)
-    del hf
-    torch.cuda.empty_cache() if dev.type == "cuda" else None
-    llm = OnlineLLM(str(tmp / "model"), data_dir=tmp / "data", device=str(dev), dtype="bfloat16",
+    model = args.model_dir or tmp / "model"
+    if not (model / "config.json").is_file():
+        hf = build_model(shape, args.tokenizer.resolve(), model, dev)
+        del hf
+        torch.cuda.empty_cache() if dev.type == "cuda" else None
+    t = time.perf_counter()
+    llm = OnlineLLM(str(model), data_dir=tmp / "data", device=str(dev), dtype="bfloat16", warm_learning=args.warm == "on",
                     num_kv_blocks=4096 if dev.type == "cuda" else 512, max_adapter_slots=4, max_lora_rank=16)
+    report["load_s"] = round(time.perf_counter() - t, 2)
+    report["warm"] = {"mode": args.warm, "learn_thread_s": llm.learner.warm_up_seconds}
     jobs = report["jobs"] = []
     try:
+        if args.warm == "main":
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+            with profile(activities=acts) as prof:
+                first = llm.learner.warm_up()
+            again = llm.learner.warm_up()
+            ev = prof.key_averages()
+            top = sorted(ev, key=lambda e: -e.self_cpu_time_total)[:25]
+            report["warm"].update({"main_thread_first_s": round(first, 3), "main_thread_again_s": round(again, 3),
+                                   "first_top_self_cpu": [{"name": e.key[:90], "count": e.count,
+                                                           "self_cpu_ms": round(e.self_cpu_time_total / 1000, 1)}
+                                                          for e in top]})
+        print(json.dumps(report["warm"])[:3000], flush=True)
+        save()
         seed = 0
         for r, mode in enumerate([args.first] + args.rounds):
             if dev.type == "cuda":

@@ -126,7 +126,9 @@ class Run:
         import platform
         return f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
 
-    def part(self, name: str, fn) -> None:
+    def part(self, name: str, fn, measured: bool = True) -> None:
+        """measured=False: an instrument's part (a profiled job): its peak is kept in the details, not in the
+        memory line (the profiler's own device buffers are not the server's)"""
         t = time.perf_counter()
         print(f"--- {name}", flush=True)
         cuda = self.device.type == "cuda"
@@ -141,6 +143,8 @@ class Run:
         self.report["seconds"][name] = round(time.perf_counter() - t, 1)
         if cuda:
             self.report["details"].setdefault("part_peak_gib", {})[name] = gib(torch.cuda.max_memory_allocated(self.device))
+            if not measured:
+                torch.cuda.reset_peak_memory_stats(self.device)
         self.save()
 
     def fig(self, key: str, value) -> None:
@@ -392,7 +396,7 @@ def dark_parts(run: Run, llm) -> None:
                                       for e in sorted(kernels, key=lambda e: -e.count)[:20]]}
         print(json.dumps(run.report["details"]["correction_profile"])[:8000], flush=True)
     if a.profile_correction:
-        run.part("correction_profile", correction_profile)
+        run.part("correction_profile", correction_profile, measured=False)
     run.report["details"].update(sub)
 
 

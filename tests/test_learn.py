@@ -257,3 +257,19 @@ def test_optimizer_file_round_trip_and_damage(tmp_path):
     path.write_bytes(path.read_bytes()[:-8])
     with pytest.raises(ValueError, match="end early"):
         load_optimizer_state(path)
+
+
+def test_warm_up_step_trains_and_keeps_nothing(tiny_models, tmp_path):
+    # on by request (the default is CUDA only): the learn thread takes one throwaway step before the model serves;
+    # it leaves no adapter, job, version or file, and the first job learns as usual after it
+    with OnlineLLM(str(tiny_models["qwen2"]), data_dir=tmp_path / "warm", warm_learning=True) as llm:
+        assert llm.learner.warmed.is_set() and llm.learner.warm_up_seconds > 0
+        assert llm.adapters() == [] and llm.store.list_jobs() == []
+        assert not (tmp_path / "warm" / "adapters").exists() or not any((tmp_path / "warm" / "adapters").iterdir())
+        report = llm.learn([{"prompt": "Say hi", "response": "hi"}], adapter="first", max_steps=2)
+        assert report["version"] == 1 and report["steps"] >= 1
+        assert [a["name"] for a in llm.adapters()] == ["first"] and len(llm.store.list_jobs()) == 1
+    with OnlineLLM(str(tiny_models["qwen2"]), data_dir=tmp_path / "cold") as llm:  # the CPU default: no warm-up
+        assert llm.learner.warmed.is_set() and llm.learner.warm_up_seconds is None
+    with pytest.raises(InvalidRequestError, match="warm_learning"):
+        OnlineLLM(str(tiny_models["qwen2"]), data_dir=tmp_path / "bad", warm_learning="yes")

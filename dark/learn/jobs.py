@@ -56,6 +56,15 @@ def training_stream(device: torch.device, sms: int):
     return None, torch.cuda.Stream(device=device, priority=0)
 
 
+# the warm-up's correction: a question, a taught answer and a replaced one, long enough (~300 tokens with the
+# rewordings and the anchors) for the checkpointed path a real correction takes
+WARM_UP_EXAMPLE = {
+    "prompt": "Explain in a few sentences how a lighthouse keeper kept the lamp burning through a long winter night.",
+    "response": " ".join(["The keeper trimmed the wick, refilled the oil, cleaned the soot from the lens and wound the "
+                          "clockwork that turned the light, checking it every few hours until dawn."] * 3),
+    "rejected": "Lighthouses have always been electric, so there was nothing for a keeper to do at night.",
+}
+
 _GREEN: dict[tuple[int, int], tuple] = {}  # (device, SMs) -> (green context, its stream), made once per process
 
 
@@ -111,6 +120,10 @@ class Learner:
         self._wake = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="dark-learn", daemon=True)
+        warm = engine.config.warm_learning
+        self._warm = engine.device.type == "cuda" if warm is None else warm
+        self.warmed = threading.Event()  # set once the warm-up step is over (or skipped, or failed)
+        self.warm_up_seconds: float | None = None
 
     def start(self) -> None:
         # the one-time preparation of learning, here on the loading thread so the first correction does not wait
@@ -123,6 +136,9 @@ class Learner:
         except Exception:
             log.exception("could not prepare learning; the first learn job will try again")
         self._thread.start()
+        # the warm-up step (warm_learning) runs on the learn thread, the one that runs jobs; the server is ready once
+        # it is over, so it never runs beside the first requests
+        self.warmed.wait()
 
     def set_train_sms(self, sms: int) -> None:
         """SMs training steps may use while requests are being served: -1 half of them, 0 all (shared with serving by
@@ -270,7 +286,29 @@ class Learner:
     def get(self, job_id: str) -> LearnJob | None:
         return self._jobs.get(job_id)
 
+    def warm_up(self) -> float:
+        """One training step of a built-in correction on a fresh adapter, thrown away: nothing is saved, recorded or
+        served. Run by the learn thread before its first job, so that job does not pay what a process's first
+        training pass costs once (kernel and library setup, pinned staging buffers, the checkpointed path's first
+        use): measured on an H200 at 7B, a first correction took 2.8-3.2 s to publish and the next ones 0.6-0.9 s.
+        Returns its seconds."""
+        start = time.perf_counter()
+        mc = self.llm.model.config
+        lora = LoraConfig(r=min(LoraConfig.r, self.llm.engine.config.max_lora_rank)).validate()
+        weights = AdapterWeights.init(lora, mc.projection_shapes(), mc.num_layers, seed=0)
+        cfg = dataclasses.replace(self.config, max_steps=1, min_steps=1)
+        items = self.trainer.build_items(normalize_examples([WARM_UP_EXAMPLE]), [], "sft", cfg)
+        self.trainer.train(weights, None, items, cfg)
+        return time.perf_counter() - start
+
     def _loop(self) -> None:
+        if self._warm and not self._closed:
+            try:
+                self.warm_up_seconds = round(self.warm_up(), 3)
+                log.info("learning warmed up in %.2f s (one throwaway step)", self.warm_up_seconds)
+            except Exception:
+                log.exception("the learning warm-up step failed; the first learn job pays the setup instead")
+        self.warmed.set()
         while True:
             with self._wake:
                 while not self._queue and not self._closed:
