@@ -7,9 +7,10 @@ backend of the training passes has to do with it:
 1. SDPA alone, the trainer's shapes (28 query heads, 4 key/value heads, head size 128, causal; GQA): forward +
    backward of a length met for the first time and again, under each backend torch may pick (its own choice,
    cuDNN, flash, memory-efficient), a new set of lengths per backend;
-2. the whole correction: a fresh server (OnlineLLM), a first job on a new adapter, then jobs of ~512-token
-   examples whose lengths differ a little (as real corrections do) and one repeating a length, with torch's
-   default SDPA backends and with cuDNN's turned off (torch.backends.cuda.enable_cudnn_sdp), alternating.
+2. the whole correction: a fresh server (OnlineLLM; --warm: its warm-up step on, off, or run here on the main
+   thread, profiled), the process's first job, then jobs of ~512-token examples whose lengths differ a little (as
+   real corrections do), interleaved between two adapters: one trained with dark's attention backends (cuDNN's
+   off while training), one with torch's own choice (dark.learn.trainer.TRAIN_CUDNN_ATTENTION).
 
     PYTHONPATH=$PWD python3 bench/probe_correction_shapes.py --tokenizer .data/tok --out $OUT/shapes.json
 """
@@ -78,16 +79,17 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 470, 430, 500, 512],
-                    help="example token targets per round (the last repeats an earlier length)")
-    ap.add_argument("--first", default="no-cudnn", choices=["default", "no-cudnn"],
-                    help="the backends of the process's first job (a new adapter)")
+    ap.add_argument("--first", default="dark", choices=["dark", "torch"],
+                    help="the attention backends of the process's first job: dark's (cuDNN off while training) or "
+                         "torch's choice (dark.learn.trainer.TRAIN_CUDNN_ATTENTION)")
     ap.add_argument("--warm", default="on", choices=["on", "off", "main"],
                     help="the server's warm-up step (warm_learning): on (default on CUDA), off, or off and run by "
                          "this script on the main thread instead (profiled), to tell per-thread from per-process costs")
     ap.add_argument("--skip-sdpa", action="store_true")
     ap.add_argument("--model-dir", type=Path, help="reuse (or build once into) this folder")
-    ap.add_argument("--rounds", nargs="+", default=["default", "no-cudnn", "default", "no-cudnn"])
+    ap.add_argument("--modes", nargs="+", default=["dark", "torch"], choices=["dark", "torch"])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 497, 483, 470, 455, 441],
+                    help="example token targets, one job per mode each")
     args = ap.parse_args()
     dev = torch.device(args.device)
     shape = TINY if args.tiny else QWEN25_7B
@@ -137,25 +139,32 @@ def main() -> None:
                                                           for e in top]})
         print(json.dumps(report["warm"])[:3000], flush=True)
         save()
+        import dark.learn.trainer as trainer_module
+
         seed = 0
-        for r, mode in enumerate([args.first] + args.rounds):
-            if dev.type == "cuda":
-                torch.backends.cuda.enable_cudnn_sdp(mode != "no-cudnn")
-            # each round its own lengths (5 tokens apart a round); a round's last job repeats its first one's
-            for target in ([512] if r == 0 else [n - 5 * r for n in args.lengths]):
-                seed += 1
-                ex = example_of(llm.tokenizer, target if dev.type == "cuda" else target // 8, seed=seed)
-                toks = ex.pop("_tokens")
-                t0 = time.perf_counter()
-                job = llm.submit_learn([ex], adapter="probe", max_steps=1, min_steps=1)
-                rep = job.wait(180)
-                fig = {"round": r, "mode": mode + (" (first job)" if r == 0 else ""), "example_tokens": toks,
-                       "to_published_s": round(job.published_at - t0, 3) if job.published_at else None,
-                       "train_steps_s": (rep.get("timings") or {}).get("train_steps"),
-                       "train_setup_s": (rep.get("timings") or {}).get("train_setup")}
-                jobs.append(fig)
-                print(json.dumps(fig), flush=True)
-                save()
+        # the process's first job (its own adapter), then the modes' jobs interleaved, one adapter per mode, so
+        # both meet the same growth of replayed examples; every job a length not met before
+        plan = [(args.first, 512, "first")] + [(m, n - 2 * j, "probe-" + m) for n in args.lengths
+                                                for j, m in enumerate(args.modes)]
+        for mode, target, adapter in plan:
+            trainer_module.TRAIN_CUDNN_ATTENTION = mode == "torch"
+            seed += 1
+            ex = example_of(llm.tokenizer, target if dev.type == "cuda" else target // 8, seed=seed)
+            toks = ex.pop("_tokens")
+            t0 = time.perf_counter()
+            job = llm.submit_learn([ex], adapter=adapter, max_steps=1, min_steps=1)
+            rep = job.wait(180)
+            fig = {"adapter": adapter, "mode": mode, "example_tokens": toks,
+                   "to_published_s": round(job.published_at - t0, 3) if job.published_at else None,
+                   "train_steps_s": (rep.get("timings") or {}).get("train_steps"),
+                   "train_setup_s": (rep.get("timings") or {}).get("train_setup")}
+            jobs.append(fig)
+            print(json.dumps(fig), flush=True)
+            save()
+        for m in args.modes:
+            mine = [j["to_published_s"] for j in jobs if j["adapter"] == "probe-" + m]
+            report.setdefault("by_mode", {})[m] = {"jobs": len(mine), "mean_s": round(sum(mine) / len(mine), 3)}
+        print(json.dumps(report.get("by_mode")), flush=True)
     finally:
         llm.close()
     save()
