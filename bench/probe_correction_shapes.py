@@ -9,8 +9,8 @@ backend of the training passes has to do with it:
    cuDNN, flash, memory-efficient), a new set of lengths per backend;
 2. the whole correction: a fresh server (OnlineLLM; --warm: its warm-up step on, off, or run here on the main
    thread, profiled), the process's first job, then jobs of ~512-token examples whose lengths differ a little (as
-   real corrections do), interleaved between two adapters: one trained with dark's attention backends (cuDNN's
-   off while training), one with torch's own choice (dark.learn.trainer.TRAIN_CUDNN_ATTENTION).
+   real corrections do), interleaved between two adapters: one trained with torch's own choice of attention
+   backend (dark's default), one with flash (cuDNN's off while training: dark.learn.trainer.TRAIN_CUDNN_ATTENTION).
 
     PYTHONPATH=$PWD python3 bench/probe_correction_shapes.py --tokenizer .data/tok --out $OUT/shapes.json
 """
@@ -79,15 +79,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--first", default="dark", choices=["dark", "torch"],
-                    help="the attention backends of the process's first job: dark's (cuDNN off while training) or "
-                         "torch's choice (dark.learn.trainer.TRAIN_CUDNN_ATTENTION)")
+    ap.add_argument("--first", default="torch", choices=["torch", "flash"],
+                    help="the attention backends of the process's first job: torch's choice (dark's default) or "
+                         "flash (cuDNN's off while training; dark.learn.trainer.TRAIN_CUDNN_ATTENTION)")
     ap.add_argument("--warm", default="on", choices=["on", "off", "main"],
                     help="the server's warm-up step (warm_learning): on (default on CUDA), off, or off and run by "
                          "this script on the main thread instead (profiled), to tell per-thread from per-process costs")
     ap.add_argument("--skip-sdpa", action="store_true")
     ap.add_argument("--model-dir", type=Path, help="reuse (or build once into) this folder")
-    ap.add_argument("--modes", nargs="+", default=["dark", "torch"], choices=["dark", "torch"])
+    ap.add_argument("--modes", nargs="+", default=["flash", "torch"], choices=["flash", "torch"])
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 497, 483, 470, 455, 441],
                     help="example token targets, one job per mode each")
     args = ap.parse_args()

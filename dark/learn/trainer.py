@@ -49,9 +49,11 @@ ANCHOR_PROMPTS = (
 )
 # Training passes meet new query/key lengths with nearly every correction. On Hopper torch picks cuDNN's attention
 # for them, which builds a plan for every length it has not met (forward + backward ~0.1 s a new length on an H200,
-# 2.4 s the first time in a process) where flash runs a new length at once and a met one as fast
-# (bench/RESULTS.md, 2026-12-02 11:52). So training turns cuDNN's attention off while it runs; 1: torch's choice.
-TRAIN_CUDNN_ATTENTION = os.environ.get("DARK_TRAIN_CUDNN_ATTENTION", "0") == "1"
+# 2.4 s the first time in a process) where flash runs a new length at once. Measured on whole jobs the two are even
+# (1.10 / 1.11 s over 6 corrections each) and cuDNN trains a 2 x 2048 step 4.7% faster (422 / 442 ms), so torch
+# keeps the choice; the warm-up step (warm_learning) pays cuDNN's first use. DARK_TRAIN_CUDNN_ATTENTION=0: flash
+# (cuDNN's attention off while a job trains). bench/RESULTS.md, 2026-12-02 11:52 and 12:38-12:45.
+TRAIN_CUDNN_ATTENTION = os.environ.get("DARK_TRAIN_CUDNN_ATTENTION", "1") != "0"
 _cudnn_lock = threading.Lock()
 _cudnn_off = [0, False]  # trainings running with cuDNN's attention off, whether it was on before the first
 
