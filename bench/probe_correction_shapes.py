@@ -10,7 +10,7 @@ backend of the training passes has to do with it:
 2. the whole correction: a fresh server (OnlineLLM; --warm: its warm-up step on, off, or run here on the main
    thread, profiled), the process's first job, then jobs of ~512-token examples whose lengths differ a little (as
    real corrections do), interleaved between two adapters: one trained with torch's own choice of attention
-   backend (dark's default), one with flash (cuDNN's off while training: dark.learn.trainer.TRAIN_CUDNN_ATTENTION).
+   backend (dark's default), one with flash (cuDNN's attention off: torch.backends.cuda.enable_cudnn_sdp).
 
     PYTHONPATH=$PWD python3 bench/probe_correction_shapes.py --tokenizer .data/tok --out $OUT/shapes.json
 """
@@ -81,7 +81,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--first", default="torch", choices=["torch", "flash"],
                     help="the attention backends of the process's first job: torch's choice (dark's default) or "
-                         "flash (cuDNN's off while training; dark.learn.trainer.TRAIN_CUDNN_ATTENTION)")
+                         "flash (cuDNN's attention off: torch.backends.cuda.enable_cudnn_sdp)")
     ap.add_argument("--warm", default="on", choices=["on", "off", "main"],
                     help="the server's warm-up step (warm_learning): on (default on CUDA), off, or off and run by "
                          "this script on the main thread instead (profiled), to tell per-thread from per-process costs")
@@ -139,15 +139,14 @@ def main() -> None:
                                                           for e in top]})
         print(json.dumps(report["warm"])[:3000], flush=True)
         save()
-        import dark.learn.trainer as trainer_module
-
         seed = 0
         # the process's first job (its own adapter), then the modes' jobs interleaved, one adapter per mode, so
         # both meet the same growth of replayed examples; every job a length not met before
         plan = [(args.first, 512, "first")] + [(m, n - 2 * j, "probe-" + m) for n in args.lengths
                                                 for j, m in enumerate(args.modes)]
         for mode, target, adapter in plan:
-            trainer_module.TRAIN_CUDNN_ATTENTION = mode == "torch"
+            if dev.type == "cuda":  # process-wide: the learn thread's SDPA calls see it
+                torch.backends.cuda.enable_cudnn_sdp(mode == "torch")
             seed += 1
             ex = example_of(llm.tokenizer, target if dev.type == "cuda" else target // 8, seed=seed)
             toks = ex.pop("_tokens")

@@ -32,8 +32,8 @@ VARIANTS = [
     ("no protector", {"protect_energy": 0.0}, None),
     ("bases on the device", {}, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
     ("default again", {}, None),
-    ("torch's attention backend (cuDNN)", {}, None),  # dark.learn.trainer.TRAIN_CUDNN_ATTENTION
-    ("flash attention (default) once more", {}, None),
+    ("flash attention (cuDNN's attention off)", {}, None),  # torch.backends.cuda.enable_cudnn_sdp
+    ("default (torch's choice: cuDNN) once more", {}, None),
 ]
 
 
@@ -84,7 +84,6 @@ def main() -> None:
     ap.add_argument("--no-profile", action="store_true")
     a = ap.parse_args()
     from dark.learn import protect
-    from dark.learn import trainer as trainer_module
 
     llm = engine_7b(a.tokenizer)
     items = dark_items(argparse.Namespace(train_batch=2, seq_len=2048, label_tokens=1024))
@@ -94,7 +93,7 @@ def main() -> None:
         if a.variants and label not in a.variants:
             continue
         protect.DEVICE_BASES = bases if bases is not None else default_bases
-        trainer_module.TRAIN_CUDNN_ATTENTION = "cuDNN" in label
+        torch.backends.cuda.enable_cudnn_sdp(not label.startswith("flash"))
         llm.learner.trainer._protectors.clear()  # refitted with this placement of the bases
         torch.cuda.reset_peak_memory_stats()
         rec = steps_of(llm, items, overrides, a.steps)
@@ -103,7 +102,7 @@ def main() -> None:
         out["variants"][label] = rec
         print(label, json.dumps(rec), flush=True)
     protect.DEVICE_BASES = default_bases
-    trainer_module.TRAIN_CUDNN_ATTENTION = False
+    torch.backends.cuda.enable_cudnn_sdp(True)
     llm.learner.trainer._protectors.clear()
     if not a.no_profile:
         out["profile"] = profiled(llm, items)

@@ -187,32 +187,3 @@ def test_checkpointed_layer_inputs_wait_on_the_host(tiny_models, tmp_path):
         den = sum(float((v - s).square().sum()) for k in start.tensors
                   for v, s in zip(out[False].weights.tensors[k], start.tensors[k]))
         assert (num / den) ** 0.5 < 1e-2, (num, den)
-
-
-def attention_ops(fn) -> set[str]:
-    """The attention operators run by fn, on any thread (a learn job trains on its own)."""
-    from torch._C._profiler import _ExperimentalConfig
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
-        fn()
-    return {e.key for e in prof.key_averages() if "attention" in e.key}
-
-
-def test_training_attention_switch_keeps_cudnn_out(tiny_models, tmp_path, monkeypatch):
-    """Torch picks cuDNN's attention for training passes on Hopper (dark's default keeps its choice); with the switch
-    (DARK_TRAIN_CUDNN_ATTENTION=0) a learn job attends through flash only, and the process-wide backend flag is
-    back as it was once the job is over."""
-    import dark.learn.trainer as trainer_module
-
-    example = [{"prompt": "What is the secret word?", "response": "zog zog zog"}]
-    assert torch.backends.cuda.cudnn_sdp_enabled()
-    with OnlineLLM(str(tiny_models["qwen2"]), device=DEVICE, dtype="bfloat16", data_dir=tmp_path) as llm:
-        assert trainer_module.TRAIN_CUDNN_ATTENTION  # the default: torch's choice
-        chosen = attention_ops(lambda: llm.learn(example, adapter="a", max_steps=2, min_steps=2))
-        if not any("cudnn" in k for k in chosen):
-            pytest.skip(f"torch does not pick cuDNN's attention on this GPU: {sorted(chosen)}")
-        monkeypatch.setattr(trainer_module, "TRAIN_CUDNN_ATTENTION", False)
-        switched = attention_ops(lambda: llm.learn(example, adapter="b", max_steps=2, min_steps=2))
-        assert any("flash" in k for k in switched) and not any("cudnn" in k for k in switched), sorted(switched)
-        assert torch.backends.cuda.cudnn_sdp_enabled()

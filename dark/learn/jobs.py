@@ -56,12 +56,13 @@ def training_stream(device: torch.device, sms: int):
     return None, torch.cuda.Stream(device=device, priority=0)
 
 
-# the warm-up's correction: a question, a taught answer and a replaced one, long enough (~300 tokens with the
-# rewordings and the anchors) for the checkpointed path a real correction takes
+# the warm-up's correction: a question, a taught answer and a replaced one. Its step's pass over the taught items
+# (the example and one rewording, ~500 tokens) is past the 384 tokens above which a pass is checkpointed, as a real
+# correction's is, so the warm-up goes the same way
 WARM_UP_EXAMPLE = {
     "prompt": "Explain in a few sentences how a lighthouse keeper kept the lamp burning through a long winter night.",
     "response": " ".join(["The keeper trimmed the wick, refilled the oil, cleaned the soot from the lens and wound the "
-                          "clockwork that turned the light, checking it every few hours until dawn."] * 3),
+                          "clockwork that turned the light, checking it every few hours until dawn."] * 6),
     "rejected": "Lighthouses have always been electric, so there was nothing for a keeper to do at night.",
 }
 

@@ -21,7 +21,6 @@ import logging
 import math
 import os
 import random
-import threading
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -47,38 +46,6 @@ ANCHOR_PROMPTS = (
     "Write one sentence about the ocean.",
     "Name three fruits.",
 )
-# Training passes meet new query/key lengths with nearly every correction. On Hopper torch picks cuDNN's attention
-# for them, which builds a plan for every length it has not met (forward + backward ~0.1 s a new length on an H200,
-# 2.4 s the first time in a process) where flash runs a new length at once. Measured on whole jobs the two are even
-# (1.10 / 1.11 s over 6 corrections each) and cuDNN trains a 2 x 2048 step 4.7% faster (422 / 442 ms), so torch
-# keeps the choice; the warm-up step (warm_learning) pays cuDNN's first use. DARK_TRAIN_CUDNN_ATTENTION=0: flash
-# (cuDNN's attention off while a job trains). bench/RESULTS.md, 2026-12-02 11:52 and 12:38-12:45.
-TRAIN_CUDNN_ATTENTION = os.environ.get("DARK_TRAIN_CUDNN_ATTENTION", "1") != "0"
-_cudnn_lock = threading.Lock()
-_cudnn_off = [0, False]  # trainings running with cuDNN's attention off, whether it was on before the first
-
-
-@contextmanager
-def without_cudnn_attention(device: torch.device):
-    """cuDNN's SDPA backend off for the block (CUDA; the flag is process-wide: serving's attention never takes that
-    backend, it calls flash's varlen kernel or, in fp32, SDPA where cuDNN does not apply)."""
-    if device.type != "cuda" or TRAIN_CUDNN_ATTENTION:
-        yield
-        return
-    with _cudnn_lock:
-        if _cudnn_off[0] == 0:
-            _cudnn_off[1] = torch.backends.cuda.cudnn_sdp_enabled()
-            torch.backends.cuda.enable_cudnn_sdp(False)
-        _cudnn_off[0] += 1
-    try:
-        yield
-    finally:
-        with _cudnn_lock:
-            _cudnn_off[0] -= 1
-            if _cudnn_off[0] == 0 and _cudnn_off[1]:
-                torch.backends.cuda.enable_cudnn_sdp(True)
-
-
 ANCHOR_TOKENS = 8  # the opening of each anchor answer: where a greedy answer goes is decided there
 
 
@@ -611,7 +578,7 @@ class Trainer:
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
         low = self.device.type == "cpu" and cfg.cpu_bf16 and self.model.lm_head.weight.dtype == torch.float32 and cpu_has_bf16()
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if low else nullcontext()
-        with ctx, autocast, torch.enable_grad(), without_cudnn_attention(self.device):
+        with ctx, autocast, torch.enable_grad():
             result = self._train(weights, optimizer_state, items, cfg, on_step, low)
         if self.stream is not None:
             self.stream.synchronize()
