@@ -161,7 +161,7 @@ class SharedPrefixAttention:
     On Hopper SDPA takes cuDNN's attention for these calls. cuDNN builds a plan for every length it has not met
     (~0.1 s forward + backward on an H200; 2.4 s its first use in a process, which the learn thread's warm-up step
     pays), yet whole corrections took as long as with flash (1.10 / 1.11 s, 6 each) and a 2 x 2048 training step is
-    4.7% faster (422 / 442 ms): torch keeps the choice (bench/RESULTS.md, 2026-12-02 11:52 and 12:30-12:50).
+    4.7% faster (422 / 442 ms): torch keeps the choice (bench/RESULTS.md, 2026-12-02 11:52 and 12:35-12:45).
     """
 
     def __init__(self, prefix: int, batch: int, length: int, device):
