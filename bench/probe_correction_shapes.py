@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -166,6 +167,7 @@ def main() -> None:
         print(json.dumps(report.get("by_mode")), flush=True)
     finally:
         llm.close()
+        shutil.rmtree(tmp, ignore_errors=True)  # its data folder, and the model (~15 GB in /dev/shm) unless --model-dir
     save()
 
 
