@@ -5,7 +5,7 @@ launch on where the device has it, so each call overlaps the tail of the one bef
 copies past the L2 cache. Prints and writes, per shape, cuBLAS (F.linear), the configuration in use
 (gemv.config) and the best one found, in microseconds per call and TB/s.
 
-    PYTHONPATH=$PWD python bench/sweep_gemv.py --out /tmp/gemv.json [--budget-s 60] [--shapes down o] [--splits 1 2]
+    PYTHONPATH=$PWD python bench/sweep_gemv.py --out /tmp/gemv.json [--budget-s 60] [--shapes down o] [--block-k 512 1024]
 """
 from __future__ import annotations
 
@@ -45,22 +45,20 @@ def main() -> None:
 
     kernel_module()
     from dark.kernels import dependent_launch
-    from dark.kernels.gemv import config, gemv, split_k
+    from dark.kernels.gemv import config, gemv
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path)
     ap.add_argument("--budget-s", type=float, default=240,
                     help="stop trying a shape's configurations after this long")
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--splits", type=int, nargs="*", default=[1, 2, 3, 4],
-                    help="K splits to try (gemv's split; not for the GLU)")
     ap.add_argument("--block-k", type=int, nargs="*", default=[256, 512, 1024])
     a = ap.parse_args()
     with dependent_launch():  # as decode steps run (programmatic dependent launch where the device has it)
-        sweep(a, gemv, config, split_k)
+        sweep(a, gemv, config)
 
 
-def sweep(a, gemv, config, split_k) -> None:
+def sweep(a, gemv, config) -> None:
     t0 = time.perf_counter()
     report = {}
     for name in a.shapes:
@@ -71,22 +69,21 @@ def sweep(a, gemv, config, split_k) -> None:
         ws = [torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         lin = graph_us(lambda i: F.linear(x, ws[i % copies]))
-        cur = (*config(n, k, glu), 1 if glu else split_k(n, k))
+        cur = config(n, k, glu)
         cands = [cur]
-        for bn, bk, nw, fk, sp in itertools.product((2, 4, 8, 16, 32), a.block_k, (4, 8), (1, 2, 4),
-                                                    [1] if glu else a.splits):
-            if (bn >= 16) != (k > 8192) and bn != 8 or bk * fk > 4096 or bk * fk * sp > 2 * k:
+        for bn, bk, nw, fk in itertools.product((2, 4, 8, 16, 32), a.block_k, (4, 8), (1, 2, 4)):
+            if (bn >= 16) != (k > 8192) and bn != 8 or bk * fk > 4096:
                 continue
-            if (bn, bk, nw, bk * fk, sp) != cur:
-                cands.append((bn, bk, nw, bk * fk, sp))
+            if (bn, bk, nw, bk * fk) != cur:
+                cands.append((bn, bk, nw, bk * fk))
         results, t_shape = [], time.perf_counter()
         for cfg in cands:
             if time.perf_counter() - t_shape > a.budget_s:
                 break
-            bn, bk, nw, fk, sp = cfg
+            bn, bk, nw, fk = cfg
             try:
                 us = graph_us(lambda i: gemv(x, ws[i % copies], block_n=bn, block_k=bk, num_warps=nw, first_k=fk,
-                                             glu=glu, split=sp))
+                                             glu=glu))
             except Exception as e:  # a configuration the compiler refuses (registers, shared memory)
                 print(name, cfg, "failed:", str(e)[:120], flush=True)
                 continue

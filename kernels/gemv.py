@@ -11,7 +11,6 @@ definition.
 from __future__ import annotations
 
 import os
-import threading
 
 import torch
 import torch.nn.functional as F
@@ -75,12 +74,12 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
                      lslot_ptr, lh_ptr, lb_ptr, N1, N2, stride_bs, stride_br,
-                     ca_ptr, cslot_ptr, cout_ptr, stride_cas, stride_car, NMAIN, ws_ptr, cnt_ptr, KS,
+                     ca_ptr, cslot_ptr, cout_ptr, stride_cas, stride_car, NMAIN,
                      M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      FIRST_K: tl.constexpr, GLU: tl.constexpr, LORA: tl.constexpr, R: tl.constexpr,
                      BR: tl.constexpr, MEMBERS: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
                      CODES: tl.constexpr, CR: tl.constexpr, CBR: tl.constexpr, CHUNK: tl.constexpr,
-                     SPLIT: tl.constexpr, PDL: tl.constexpr):
+                     PDL: tl.constexpr):
         # CODES (one row): programs from NMAIN on compute an adapter's partial codes of x for a LATER kernel to
         # add the delta (_codes_part), beside the product's programs
         if CODES:
@@ -89,39 +88,32 @@ if triton is not None:
                             tl.program_id(0) - NMAIN, CR, CBR, CHUNK, PDL)
             else:
                 _gemv_body(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om, lslot_ptr, lh_ptr,
-                           lb_ptr, N1, N2, stride_bs, stride_br, ws_ptr, cnt_ptr, KS, M, HAS_BIAS, BLOCK_N, BLOCK_K,
-                           FIRST_K, GLU, LORA, R, BR, MEMBERS, SPLITS, SP, SPLIT, PDL)
+                           lb_ptr, N1, N2, stride_bs, stride_br, M, HAS_BIAS, BLOCK_N, BLOCK_K, FIRST_K, GLU, LORA,
+                           R, BR, MEMBERS, SPLITS, SP, PDL)
         else:
             _gemv_body(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om, lslot_ptr, lh_ptr,
-                       lb_ptr, N1, N2, stride_bs, stride_br, ws_ptr, cnt_ptr, KS, M, HAS_BIAS, BLOCK_N, BLOCK_K,
-                       FIRST_K, GLU, LORA, R, BR, MEMBERS, SPLITS, SP, SPLIT, PDL)
+                       lb_ptr, N1, N2, stride_bs, stride_br, M, HAS_BIAS, BLOCK_N, BLOCK_K, FIRST_K, GLU, LORA,
+                       R, BR, MEMBERS, SPLITS, SP, PDL)
 
     @triton.jit
     def _gemv_body(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
-                   lslot_ptr, lh_ptr, lb_ptr, N1, N2, stride_bs, stride_br, ws_ptr, cnt_ptr, KS,
+                   lslot_ptr, lh_ptr, lb_ptr, N1, N2, stride_bs, stride_br,
                    M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    FIRST_K: tl.constexpr, GLU: tl.constexpr, LORA: tl.constexpr, R: tl.constexpr,
                    BR: tl.constexpr, MEMBERS: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
-                   SPLIT: tl.constexpr, PDL: tl.constexpr):
+                   PDL: tl.constexpr):
         # GLU: W is [2N, K], gate rows then up rows, and out = silu(x @ gate^T) * (x @ up^T), both products
         # rounded to out's dtype first (what the GEMV then silu_mul give). LORA (a batch of one): the adapter's
         # delta added before that rounding (a GLU's gate and up columns are its columns n and N + n).
-        # SPLIT > 1 (no GLU, no LORA): SPLIT programs share a block of rows, each over a K range of KS columns;
-        # they add fp32 partial sums into the workspace ws [M, N] and the last to finish (counted in cnt) writes
-        # the rows and leaves ws and its counter at zero for the next call
         pid = tl.program_id(0)
-        part = pid % SPLIT
-        pid = pid // SPLIT
-        k_lo = part * KS
-        k_hi = tl.minimum(K, k_lo + KS)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < N
         rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
         up = rows + N * stride_wn
         # the first FIRST_K columns of this program's rows are read before waiting for the kernel before (the
         # weights never depend on it): under programmatic dependent launch that read overlaps its tail
-        k1 = k_lo + tl.arange(0, FIRST_K)
-        m1 = nm[:, None] & (k1 < k_hi)[None, :]
+        k1 = tl.arange(0, FIRST_K)
+        m1 = nm[:, None] & (k1 < K)[None, :]
         w1 = tl.load(rows + k1[None, :], mask=m1, other=0.0).to(tl.float32)
         if GLU:
             u1 = tl.load(up + k1[None, :], mask=m1, other=0.0).to(tl.float32)
@@ -142,49 +134,35 @@ if triton is not None:
                 delta_u = tl.where(lm, _lora_delta(lh_ptr, lb_u, n + N, N1, N2, BR, MEMBERS, SPLITS, SP), 0.0)
         kk = tl.arange(0, BLOCK_K)
         for m in tl.static_range(M):
-            x1 = tl.load(x_ptr + m * stride_xm + k1, mask=k1 < k_hi, other=0.0).to(tl.float32)
+            x1 = tl.load(x_ptr + m * stride_xm + k1, mask=k1 < K, other=0.0).to(tl.float32)
             y = tl.sum(w1 * x1[None, :], 1)
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
             if GLU:
                 yu = tl.sum(u1 * x1[None, :], 1)
                 acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            k0 = k_lo + FIRST_K
-            while k0 < k_hi:  # a while loop: the interpreter cannot take tensor bounds in range()
+            k0 = FIRST_K
+            while k0 < K:  # a while loop: the interpreter cannot take tensor bounds in range()
                 k = k0 + kk
-                km = nm[:, None] & (k < k_hi)[None, :]
-                xv = tl.load(x_ptr + m * stride_xm + k, mask=k < k_hi, other=0.0).to(tl.float32)[None, :]
+                km = nm[:, None] & (k < K)[None, :]
+                xv = tl.load(x_ptr + m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
                 acc += tl.load(rows + k[None, :], mask=km, other=0.0).to(tl.float32) * xv
                 if GLU:
                     acc_u += tl.load(up + k[None, :], mask=km, other=0.0).to(tl.float32) * xv
                 k0 += BLOCK_K
             y += tl.sum(acc, 1)
-            if SPLIT > 1:
-                tl.atomic_add(ws_ptr + m * N + n, y, mask=nm)
-            else:
-                if HAS_BIAS:
-                    y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
+            if GLU:
+                yu += tl.sum(acc_u, 1)
+            if LORA:
+                y += delta
                 if GLU:
-                    yu += tl.sum(acc_u, 1)
-                if LORA:
-                    y += delta
-                    if GLU:
-                        yu += delta_u
-                if GLU:
-                    dt = out_ptr.dtype.element_ty
-                    g = y.to(dt).to(tl.float32)
-                    y = g * tl.sigmoid(g) * yu.to(dt).to(tl.float32)
-                tl.store(out_ptr + m * stride_om + n, y.to(out_ptr.dtype.element_ty), mask=nm)
-        if SPLIT > 1:
-            tl.debug_barrier()  # every thread's partial sums are in before the count says so
-            if tl.atomic_add(cnt_ptr + pid, 1) == SPLIT - 1:  # the last of the block's programs
-                for m in tl.static_range(M):
-                    # read where the others' adds were made (an atomic: in L2, past this multiprocessor's cache)
-                    y = tl.atomic_add(ws_ptr + m * N + n, tl.zeros((BLOCK_N,), tl.float32), mask=nm)
-                    tl.store(ws_ptr + m * N + n, tl.zeros((BLOCK_N,), tl.float32), mask=nm)
-                    if HAS_BIAS:
-                        y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
-                    tl.store(out_ptr + m * stride_om + n, y.to(out_ptr.dtype.element_ty), mask=nm)
-                tl.store(cnt_ptr + pid, 0)
+                    yu += delta_u
+            if GLU:
+                dt = out_ptr.dtype.element_ty
+                g = y.to(dt).to(tl.float32)
+                y = g * tl.sigmoid(g) * yu.to(dt).to(tl.float32)
+            tl.store(out_ptr + m * stride_om + n, y.to(out_ptr.dtype.element_ty), mask=nm)
 
 
 def config(n: int, k: int, glu: bool = False) -> tuple[int, int, int, int]:
@@ -210,36 +188,6 @@ CODES_CHUNK = 512
 GLU_LORA_BLOCK_N: int | None = None
 
 
-# the split of long rows (k > 8192: down_proj) by default; DARK_GEMV_SPLIT overrides it (an A/B knob)
-SPLIT_LONG_ROWS = 1
-
-
-def split_k(n: int, k: int) -> int:
-    """Programs a block of rows of an [n, k] weight is split over along k by default (gemv's split)."""
-    if k <= 8192:
-        return 1
-    env = os.environ.get("DARK_GEMV_SPLIT")
-    if env is None:
-        return SPLIT_LONG_ROWS
-    if not env.isdigit() or int(env) < 1:
-        raise ValueError(f"DARK_GEMV_SPLIT must be a positive integer, got {env!r}")
-    return int(env)
-
-
-_WORKSPACE: dict = {}
-
-
-def _workspace(device: torch.device, m: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split GEMV's zeroed fp32 sums [m, n] and per-block counters (each call leaves them at zero), one pair
-    per device, thread and shape: two threads' calls (serving and learning) never share them, and a decode step's
-    CUDA-graph capture finds the pair its warm-up made on the same thread (nothing allocated inside a capture)."""
-    key = (str(device), threading.get_ident(), m, n)
-    if key not in _WORKSPACE:
-        _WORKSPACE[key] = (torch.zeros(m * n, device=device, dtype=torch.float32),
-                           torch.zeros(n, device=device, dtype=torch.int32))
-    return _WORKSPACE[key]
-
-
 def codes_parts(k: int) -> int:
     """The partial sums gemv's codes_out takes for a row of k columns."""
     return triton.cdiv(k, CODES_CHUNK)
@@ -247,7 +195,7 @@ def codes_parts(k: int) -> int:
 
 def gemv(x, weight, bias=None, block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
          num_stages: int = 3, first_k: int | None = None, glu: bool = False, lora: dict | None = None,
-         codes_out: dict | None = None, split: int | None = None):
+         codes_out: dict | None = None):
     """x [M, K] (M small: the kernel reads W once per row of x, so it is for M = 1), weight [N, K] with unit stride
     along K, bias [N] or None -> [M, N] in x's dtype. Block sizes default to config(N, K); first_k (a power of
     two) columns of each row are read before the wait for the kernel before.
@@ -263,12 +211,7 @@ def gemv(x, weight, bias=None, block_n: int | None = None, block_k: int | None =
     lora (M = 1): an adapter's delta added in the same launch, instead of lora_expand's after it: {"h": the codes
     from lora_shrink [1, splits, members, BR], "B": factors [slots, rows, outputs] as lora_expand takes them,
     "slot": the token's slot (a 1-element integer tensor, -1: none), "rank", "splits": the members' output sizes
-    (None: one member)}. The sum is rounded once (lora_expand rounds the GEMV's output, then the sum).
-
-    split (no glu, no lora; default split_k(N, K)): programs per block of rows, each over a range of K, their fp32
-    partial sums added up in a workspace kept per device, thread and shape (the sum is then rounded once, as
-    without the split): more programs for a few long rows, so the last wave of programs leaves fewer
-    multiprocessors idle."""
+    (None: one member)}. The sum is rounded once (lora_expand rounds the GEMV's output, then the sum)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     M, K = x.shape
@@ -283,15 +226,9 @@ def gemv(x, weight, bias=None, block_n: int | None = None, block_k: int | None =
     if os.environ.get("TRITON_INTERPRET") == "1" and not explicit_n:
         # the CPU interpreter runs program by program: few large ones (an LM head is 10^4 programs of 4 rows)
         block_n = max(block_n, min(1024, 2**18 // max(first_k, block_k)))
-    split = split or (1 if glu or lora is not None else split_k(N, K))
-    assert split == 1 or not (glu or lora is not None), "the split GEMV takes no glu and no lora epilogue"
-    ks = triton.cdiv(triton.cdiv(K, split), block_k) * block_k  # each program's K range, whole blocks
-    if split > 1:
-        first_k = min(first_k, 1 << (ks.bit_length() - 1))  # within the program's range
-    ws, cnt = _workspace(x.device, M, N) if split > 1 else (None, None)
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     lo = _lora_args(lora, M, weight.shape[0])
-    main = triton.cdiv(N, block_n) * split
+    main = triton.cdiv(N, block_n)
     if codes_out is not None:
         A, h = codes_out["A"], codes_out["out"]
         assert M == 1 and lora is None and A.shape[-1] == K and A.stride(-1) == 1 and h.is_contiguous()
@@ -302,9 +239,8 @@ def gemv(x, weight, bias=None, block_n: int | None = None, block_k: int | None =
     else:
         cargs, cconst, grid = (None, None, None, 0, 0, main), dict(CODES=False, CR=1, CBR=16, CHUNK=16), main
     _gemv_kernel[(grid,)](x, weight, bias if bias is not None else weight, out, N, K, x.stride(0), weight.stride(0),
-                          out.stride(0), *lo["args"], *cargs, ws, cnt, ks, M=M, HAS_BIAS=bias is not None,
-                          BLOCK_N=block_n, BLOCK_K=block_k, FIRST_K=first_k, GLU=glu, **lo["consts"], **cconst,
-                          SPLIT=split, num_warps=num_warps,
+                          out.stride(0), *lo["args"], *cargs, M=M, HAS_BIAS=bias is not None, BLOCK_N=block_n,
+                          BLOCK_K=block_k, FIRST_K=first_k, GLU=glu, **lo["consts"], **cconst, num_warps=num_warps,
                           num_stages=num_stages, **pdl(x.device))
     return out
 

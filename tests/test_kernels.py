@@ -781,40 +781,6 @@ def test_gemv_matches_reference(dtype, tol, n, k, bias):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
-@pytest.mark.parametrize("n,k,M,split,bias", [(37, 1000, 1, 2, True), (64, 3000, 2, 3, False), (9, 300, 1, 4, False)])
-def test_split_gemv_sums_its_parts_and_leaves_the_workspace_clean(dtype, tol, n, k, M, split, bias):
-    """The GEMV with K split over several programs a block of rows (down_proj's long rows): each part's fp32 sum
-    added in the workspace, the last part writes the rows; equal to the unsplit kernel and the reference, call
-    after call (the workspace and counters back at zero after each, also when a part's K range is empty), and with
-    an adapter's codes computed beside it."""
-    from dark.kernels import gemv as gemv_mod
-    from dark.kernels.gemv import codes_parts, gemv, gemv_reference
-
-    g = torch.Generator().manual_seed(n * k)
-    w = torch.randn(n, k, generator=g).to(DEV, dtype)
-    b = torch.randn(n, generator=g).to(DEV, dtype) if bias else None
-    for call in range(3):
-        x = torch.randn(M, k, generator=g).to(DEV, dtype)
-        out = gemv(x, w, b, split=split, block_n=8, block_k=256, first_k=512)
-        ref = gemv_reference(x.float(), w.float(), None if b is None else b.float())
-        assert out.shape == (M, n) and out.dtype == dtype
-        assert rel_err(out.float().cpu(), ref.cpu()) < tol
-        whole = gemv(x, w, b, split=1, block_n=8, block_k=256, first_k=512)  # the sum in another order
-        torch.testing.assert_close(out.float(), whole.float(), rtol=tol, atol=tol)
-        ws, cnt = gemv_mod._workspace(x.device, M, n)
-        assert not ws.any() and not cnt.any()
-    if M == 1:
-        A = torch.randn(2, 4, k, generator=g).to(DEV, dtype)
-        slot = torch.tensor([1], dtype=torch.int32, device=DEV)
-        spec = {"A": A, "slot": slot, "rank": 4, "out": torch.full((1, codes_parts(k), 1, 16), float("nan"), device=DEV)}
-        y = gemv(x, w, b, codes_out=spec, split=split, block_n=8, block_k=256, first_k=512)
-        assert _near_kernel_math(y, out)
-        torch.testing.assert_close(spec["out"].sum(1)[0, 0, :4], x[0].float() @ A[1].float().T, rtol=tol, atol=tol * k ** 0.5)
-    with pytest.raises(AssertionError, match="no glu and no lora"):
-        gemv(x[:1], torch.cat([w, w]), glu=True, split=2)
-
-
-@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("splits,glu,slot", [(None, False, 1), ([40, 24, 24], False, 2), ([48, 48], True, 0),
                                              (None, False, -1), ([48, 48], True, -1)])
 def test_gemv_adds_the_lora_delta_itself(dtype, tol, splits, glu, slot):

@@ -497,39 +497,6 @@ def test_gemv_qwen_shapes(n, k, bias):
     assert ((out - ref).norm() / ref.norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize("split", [2, 3, 4])
-def test_split_gemv_back_to_back_in_a_cuda_graph(split):
-    """down_proj's shape with K split over programs (fp32 partial sums in a shared workspace, the last program
-    writes): 12 calls back to back on one workspace in a CUDA graph under programmatic dependent launch, replayed
-    on new inputs: each output near F.linear, bit for bit the ordinary launch when two parts add (a + b is b + a),
-    and the workspace at zero after every replay (a call that left sums or counts behind would spoil the next)."""
-    from dark.kernels import dependent_launch
-    from dark.kernels import gemv as gemv_mod
-    from dark.kernels.gemv import gemv
-
-    g = torch.Generator(device="cuda").manual_seed(split)
-    n, k, calls = 3584, 18944, 12
-    ws = [(torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16() for _ in range(3)]
-    static = torch.zeros(calls, k, device="cuda").bfloat16()
-    graph = torch.cuda.CUDAGraph()
-    with dependent_launch():
-        outs = [gemv(static[i:i + 1], ws[i % 3], split=split) for i in range(calls)]  # compiled outside the capture
-        with torch.cuda.graph(graph):
-            outs = [gemv(static[i:i + 1], ws[i % 3], split=split) for i in range(calls)]
-    for _ in range(4):
-        static.copy_(torch.randn(calls, k, device="cuda", generator=g).bfloat16())
-        graph.replay()
-        torch.cuda.synchronize()
-        for i, out in enumerate(outs):
-            x = static[i:i + 1]
-            ref = torch.nn.functional.linear(x.float(), ws[i % 3].float())
-            assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
-            if split == 2:
-                assert torch.equal(out, gemv(x, ws[i % 3], split=2))
-        w_sum, counts = gemv_mod._workspace(static.device, 1, n)
-        assert not w_sum.any() and not counts.any()
-
-
 def test_dependent_launch_chain_in_a_cuda_graph():
     """Programmatic dependent launch (each kernel starts while the one before finishes, and waits in-kernel for its
     writes): a chain of the decode kernels, each reading what the one before wrote, captured in a CUDA graph and
