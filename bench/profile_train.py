@@ -50,6 +50,24 @@ def steps_of(llm, items, overrides: dict, steps: int) -> dict:
             "median_step_ms": round(1000 * statistics.median(gaps), 1)}
 
 
+CATEGORIES = [  # (category, substrings of a kernel's name), first match wins
+    ("copy", ("Memcpy", "Memset")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
+    ("attention", ("flash", "fmha", "cudnn", "attention")),
+    ("triton", ("_kernel",)),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+    ("reduce", ("reduce", "softmax", "norm", "cross_entropy")),
+]
+
+
+def kernel_category(name: str) -> str:
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k.lower() in low for k in keys):
+            return cat
+    return "other"
+
+
 def profiled(llm, items, steps: int = 2) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
@@ -68,9 +86,13 @@ def profiled(llm, items, steps: int = 2) -> dict:
     ops = [e for e in ev if e.key.startswith("aten::")]
     gpu = sum(e.device_time_total for e in kernels) / 1000
     by_count = collections.Counter({e.key: e.count for e in ops})
-    top = sorted(kernels, key=lambda e: -e.device_time_total)[:30]
+    top = sorted(kernels, key=lambda e: -e.device_time_total)[:60]
+    cats = collections.Counter()
+    for e in kernels:
+        cats[kernel_category(e.key)] += e.device_time_total / 1000
     return {"steps": steps + 1, "wall_ms_profiled": round(1000 * wall, 1), "gpu_kernel_ms": round(gpu, 1),
             "kernel_launches": sum(e.count for e in kernels), "aten_calls": sum(by_count.values()),
+            "ms_by_category": {k: round(v, 1) for k, v in cats.most_common()},
             "top_kernels": [{"name": e.key[:100], "count": e.count, "ms": round(e.device_time_total / 1000, 2)} for e in top],
             "top_ops_by_count": by_count.most_common(30)}
 
