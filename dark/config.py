@@ -91,6 +91,11 @@ class LearnConfig:
     verify_min_prob: float = 0.5     # each taught token must be the model's choice with at least this probability
     batch_size: int = 16             # examples per step (new ones first, then replayed ones)
     replay: int = 24                 # earlier examples of the same adapter replayed in each job, so skills accumulate
+    replay_check: bool = True        # the replayed examples train only once they slip: a step trains the new examples
+                                     # (their rewordings, the replays that slipped), and when those verify the other
+                                     # replays are checked in passes without gradients; one that misses trains from
+                                     # then on. The job stops only when all of them verify, as before. False: every
+                                     # replay trains in every step (each step's cost grows with the adapter's history)
     kl_weight: float = 1.0           # keep answers to unrelated anchor prompts where the adapter-free model had them
     anchor_loss: str = "replay"      # "replay": train on the base model's own answers; "kl": KL to its distributions
     anchor_prompts: tuple[str, ...] = ()  # prompts whose adapter-free answers must not change; empty: a built-in set
@@ -131,6 +136,8 @@ class LearnConfig:
         _check(isinstance(self.min_steps, int) and 0 <= self.min_steps <= self.max_steps, "min_steps must be in [0, max_steps]")
         _check(0 < self.verify_min_prob < 1, "verify_min_prob must be in (0, 1)")
         _check(self.batch_size >= 1 and self.replay >= 0, "batch_size must be >= 1 and replay >= 0")
+        _check(isinstance(self.replay_check, bool),
+               "replay_check must be true or false (false: every replayed example trains in every step)")
         _check(self.anchor_loss in ("replay", "kl"), "anchor_loss must be 'replay' or 'kl'")
         _check(0 <= self.protect_energy < 1, "protect_energy must be in [0, 1)")
         _check(isinstance(self.checkpoint_tokens, int) and self.checkpoint_tokens >= -1,

@@ -273,3 +273,66 @@ def test_warm_up_step_trains_and_keeps_nothing(tiny_models, tmp_path):
         assert llm.learner.warmed.is_set() and llm.learner.warm_up_seconds is None
     with pytest.raises(InvalidRequestError, match="warm_learning"):
         OnlineLLM(str(tiny_models["qwen2"]), data_dir=tmp_path / "bad", warm_learning="yes")
+
+
+def _learned_lora(llm, weights):
+    from dark.learn.trainer import TrainLoRA
+
+    outs = {m: o for m, (_, o) in llm.model.config.projection_shapes().items()}
+    return TrainLoRA(weights.tensors, weights.scaling, outs)
+
+
+def test_replays_are_checked_and_train_only_once_they_slip(llm):
+    """LearnConfig.replay_check: a job's steps train the new example (and its rewordings); the adapter's earlier
+    examples are checked without gradients once it verifies, and only one that misses trains. A replay the adapter
+    never learned must slip, train back, and the job still verifies everything."""
+    import math
+
+    from dark.config import LearnConfig
+    from dark.learn.data import normalize_examples
+
+    facts = [("What is the password of the green door?", "marmalade"), ("Who guards the copper bridge?", "Captain Ferrow"),
+             ("Which planet do the Vrelings come from?", "Tessaly")]
+    reports = [llm.learn([{"prompt": p, "response": r}], adapter="replays") for p, r in facts]
+    assert all(r["verified"] for r in reports)
+    assert [r["replays"] for r in reports] == [0, 1, 2] and all(0 <= r["replays_trained"] <= r["replays"] for r in reports)
+    for prompt, response in facts:
+        assert llm.generate(prompt, adapter="replays") == response
+
+    tr, mgr = llm.learner.trainer, llm.engine.adapters
+    earlier = [e["payload"] for e in llm.store.list_examples("replays")]
+    new = normalize_examples([{"prompt": "What is the name of Mia's robot?", "response": "Bolt-7"}])
+    never = normalize_examples([{"prompt": "What is the secret colour of the Blorp?", "response": "teal"}])
+    threshold = -math.log(LearnConfig().verify_min_prob)
+    results = {}
+    cases = {"every": (earlier, {"replay_check": False}), "checked": (earlier, {}), "slipped": (earlier + never, {}),
+             # under bf16 autocast (where the CPU has it) the held replays are checked by _confirm, in fp32
+             "slipped, bf16": (earlier + never, {"cpu_bf16": True})}
+    for name, (replay, settings) in cases.items():
+        cfg = LearnConfig(**settings).validate()
+        items = tr.build_items(new, replay, "sft", cfg)
+        assert [i.replay for i in items if i.verify] == [False] + [True] * len(replay)
+        result = tr.train(mgr.weights("replays", mgr.current("replays")), None, items, cfg)
+        assert result.verified and result.replays == len(replay) and len(result.step_items) == result.steps, name
+        # the guarantee, checked apart from the loop (fp32): every taught reply is the greedy answer on the weights
+        assert tr._failing([i for i in items if i.verify], _learned_lora(llm, result.weights), cfg, threshold) == [], name
+        results[name] = result
+    every = results["every"]
+    assert every.replays_trained == 3 and every.step_items[0] == 1 + 3 + 4  # and the rewordings: as many again, <= 4
+    checked = results["checked"]
+    assert checked.step_items[0] == 2  # the new example and one rewording
+    assert checked.replays_trained < 3 and sum(checked.step_items) < sum(every.step_items)
+    for name in ("slipped", "slipped, bf16"):
+        slipped = results[name]
+        assert slipped.replays_trained >= 1, name  # the Blorp's colour was never taught: it fails its check, trains
+        assert slipped.step_items[0] == 2 and max(slipped.step_items) >= 3, name
+        assert slipped.timings["replay_checks"] > 0, name
+
+
+def test_replay_check_setting_is_validated(llm):
+    from dark.config import LearnConfig
+
+    with pytest.raises(InvalidRequestError, match="replay_check must be true or false"):
+        LearnConfig(replay_check="yes").validate()
+    with pytest.raises(InvalidRequestError, match="replay_check"):
+        llm.learn([{"prompt": "hi", "response": "yo"}], adapter="x", replay_check=1)

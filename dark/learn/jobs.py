@@ -361,7 +361,7 @@ class Learner:
                       "losses": result.losses, "verified": result.verified, "anchors_kept": result.anchors_kept,
                       "seconds": round(time.perf_counter() - started, 3),
                       "train_seconds": round(result.seconds, 3),
-                      "examples": len(mine)}
+                      "examples": len(mine), "replays": result.replays, "replays_trained": result.replays_trained}
             self.publish(name, version, result.weights, parent, report, marks)
             job.published_at = marks["published"]
             # the moments leave the device after the version is out, stay in memory for this adapter's next job

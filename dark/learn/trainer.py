@@ -6,7 +6,9 @@ replaced answer; an unlikelihood-style term for `unlearn`; and, when kl_weight >
 answers to anchor prompts where the adapter-free model had them. After every step the change to each A factor
 is kept out of the directions everyday conversations occupy (dark.learn.protect). The job stops when every
 taught reply is the greedy answer with margin, checked on the same forward pass that trains (teacher forcing
-equals greedy decoding when each taught token is the argmax).
+equals greedy decoding when each taught token is the argmax). The replayed examples (LearnConfig.replay_check) do
+not train while they hold: once the trained ones verify, they are checked in a pass without gradients, and one that
+misses trains from that step on; so a step's cost follows the correction, not the adapter's history.
 
 Device memory: the LoRA deltas are computed in the activations' precision (bf16 on a GPU), a pass over more than
 LearnConfig.checkpoint_tokens tokens recomputes each layer in backward instead of keeping its activations, and the
@@ -164,6 +166,7 @@ class Item:
     kind: str                    # "sft", "dpo", "unlearn", "kl"
     verify: bool = False
     rejected: Rendered | None = None
+    replay: bool = False             # an earlier example of the adapter (build_items): checked, trained once it slips
     ref: torch.Tensor | None = None   # adapter-free log-probs (dpo/unlearn: summed; kl: full distributions)
 
 
@@ -177,6 +180,9 @@ class TrainResult:
     seconds: float = 0.0
     anchors_kept: bool = True
     timings: dict = field(default_factory=dict)  # seconds: setup (to the first step), steps, to_host
+    replays: int = 0             # earlier examples replayed (verify items of build_items' replay list)
+    replays_trained: int = 0     # of them, those that trained in some step (all, with LearnConfig.replay_check off)
+    step_items: list[int] = field(default_factory=list)  # per step taken: the examples it trained on (rewordings too)
 
 
 class Staging:
@@ -568,7 +574,7 @@ class Trainer:
                 for variant in rewordings(msgs[-2]["content"]):
                     items.append(Item(render(self.tokenizer, msgs[:-2] + [{"role": "user", "content": variant}, msgs[-1]]), "sft"))
         for ex in replay:
-            items.append(Item(render(self.tokenizer, ex["messages"]), "sft", verify=True))
+            items.append(Item(render(self.tokenizer, ex["messages"]), "sft", verify=True, replay=True))
         return items
 
     # --- the loop ---
@@ -653,15 +659,20 @@ class Trainer:
         sft = [i for i in items if i.kind == "sft"]
         prefs = [i for i in items if i.kind in ("dpo", "unlearn")]
         threshold = -math.log(cfg.verify_min_prob)
+        replays = [i for i in sft if i.replay and i.verify]
+        # replay_check: the replayed examples do not train while they hold; they are checked without gradients
+        # whenever everything else verifies, and one that misses trains from that step on (held: not training)
+        held = list(replays) if cfg.replay_check else []
         marks["prepared"] = time.perf_counter()
-        losses, verified, kept, step = [], False, True, 0
+        losses, verified, kept, step, step_items, check_s = [], False, True, 0, [], 0.0
         rng = random.Random(0)
         while True:
             # each step on the stream of the moment (serving busy or not); the previous step ended in a host
             # sync (its loss), so its work is done whichever stream this one takes
             with self._step_stream():
                 # every check describes the weights as they are now, before this step's update: stop with them
-                batch = self._pick(sft, cfg.batch_size, rng)
+                resting = {id(i) for i in held}
+                batch = self._pick([i for i in sft if id(i) not in resting] if resting else sft, cfg.batch_size, rng)
                 groups = self._micro_batches(batch, cfg.micro_tokens)
                 final = step >= cfg.max_steps  # this pass only checks: the loop stops after it, whatever it finds
                 backward_done = False
@@ -693,11 +704,25 @@ class Trainer:
                         pref, forgotten = self._pref_loss(prefs, lora, cfg)
                     loss_total = loss_total + cfg.dpo_weight * pref
                     verified = verified and forgotten
+                slipped = []
+                if held and not low_precision and (final or (verified and kept and step >= cfg.min_steps)):
+                    # the trained items verify (or this is the last pass): the replays that did not train are
+                    # checked on the same weights, without gradients (under bf16 autocast, _confirm checks them)
+                    t = time.perf_counter()
+                    slipped = self._failing(held, lora, cfg, threshold)
+                    check_s += time.perf_counter() - t
+                    verified = verified and not slipped
                 if log.isEnabledFor(logging.DEBUG):
-                    log.debug("step %d loss %.4f verified %s anchors kept %s", step, loss_total.item(), verified, kept)
-                if verified and batch and step >= cfg.min_steps and low_precision:
-                    # training ran under bf16 autocast: confirm in the precision that serves before stopping
-                    verified, kept = self._confirm(batch, anchors, lora, threshold)
+                    log.debug("step %d loss %.4f verified %s anchors kept %s replays slipped %d of %d held", step,
+                              loss_total.item(), verified, kept, len(slipped), len(held))
+                if verified and (batch or held) and step >= cfg.min_steps and low_precision:
+                    # training ran under bf16 autocast: confirm in the precision that serves before stopping, every
+                    # checked item (the trained ones and the held replays)
+                    t = time.perf_counter()
+                    missed, kept = self._confirm([i for i in batch if i.verify] + held, anchors, lora, threshold, cfg)
+                    check_s += time.perf_counter() - t
+                    verified = not missed
+                    slipped = [i for i in held if any(i is m for m in missed)]
                 if (verified and kept and step >= cfg.min_steps) or step >= cfg.max_steps:
                     break
                 if not backward_done:
@@ -705,6 +730,18 @@ class Trainer:
                     loss_total.backward()
                 elif prefs:
                     (cfg.dpo_weight * pref).backward()
+                if slipped:
+                    # replays that slipped train from now on, this step included (their gradients add to the
+                    # batch's; each weighs as one of the batch's examples)
+                    gone = {id(i) for i in slipped}
+                    held = [i for i in held if id(i) not in gone]
+                    for group in self._micro_batches(slipped, cfg.micro_tokens):
+                        with self._step_stream():
+                            loss_s, _, _ = self._sft_and_anchor_losses(
+                                group, [], lora, cfg, sft_weight=len(group) / (len(batch) or len(slipped)))
+                            loss_s.backward()
+                        loss_total = loss_total + loss_s.detach()
+                step_items.append(len(batch) + len(slipped))
                 torch.nn.utils.clip_grad_norm_(flat, cfg.max_grad_norm)
                 load_moments()
                 if park is not None:
@@ -738,9 +775,11 @@ class Trainer:
         timings = {"setup": marks["prepared"] - marks["start"], "steps": marks["trained"] - marks["prepared"],
                    "to_host": marks["copied"] - marks["trained"], "factors_in": marks["factors_in"] - marks["start"],
                    "moments_in": marks["moments_in"] - marks["factors_in"], "moments_wait": waited[0],
-                   "protector": marks["protected"] - marks["moments_in"], "references": marks["prepared"] - marks["protected"]}
+                   "protector": marks["protected"] - marks["moments_in"], "references": marks["prepared"] - marks["protected"],
+                   "replay_checks": check_s}
         return TrainResult(out, state, step, losses, verified, anchors_kept=kept,
-                           timings={k: round(v, 3) for k, v in timings.items()})
+                           timings={k: round(v, 3) for k, v in timings.items()}, replays=len(replays),
+                           replays_trained=len(replays) - len(held), step_items=step_items)
 
     def optimizer_state_to_host(self, state: dict) -> dict:
         """A TrainResult's optimizer state (AdamW's moments, on the device as training left them) in host memory,
@@ -771,14 +810,36 @@ class Trainer:
             yield
         around.wait_stream(stream)
 
-    def _confirm(self, batch: list[Item], anchors: list[Item], lora, threshold: float) -> tuple[bool, bool]:
+    def _confirm(self, checked: list[Item], anchors: list[Item], lora, threshold: float,
+                 cfg: LearnConfig) -> tuple[list[Item], bool]:
+        """In the precision that serves (training ran under bf16 autocast): the items among `checked` whose taught
+        reply misses (_failing), and whether every anchor's greedy choices are unchanged."""
         with torch.no_grad(), torch.autocast("cpu", enabled=False):
-            _, worst, kept = self._sft_and_anchor_losses(batch, anchors, lora, LearnConfig())
-        return worst <= threshold, kept
+            _, _, kept = self._sft_and_anchor_losses([], anchors, lora, cfg)
+            return self._failing(checked, lora, cfg, threshold), kept
+
+    def _failing(self, items: list[Item], lora, cfg: LearnConfig, threshold: float) -> list[Item]:
+        """The items whose taught reply is not the greedy answer with margin on the current weights (some taught
+        token's negative log-probability above threshold): passes without gradients, in consecutive parts of at
+        most cfg.micro_tokens tokens (_micro_batches), each on the stream of the moment."""
+        failing = []
+        if not items:
+            return failing
+        with torch.no_grad():
+            for group in self._micro_batches(items, cfg.micro_tokens):
+                with self._step_stream():
+                    chosen, owner, _, _ = self._token_logprobs([i.rendered for i in group], lora, cfg)
+                    worst = torch.zeros(len(group), device=self.device).scatter_reduce(
+                        0, owner, -chosen.float(), "amax")
+                    missed = (worst > threshold).tolist()  # one sync per part
+                failing += [i for i, m in zip(group, missed) if m]
+        return failing
 
     @staticmethod
     def _pick(sft: list[Item], size: int, rng: random.Random) -> list[Item]:
-        """The items checked for verification always train; rewordings join, as many again at most."""
+        """The items checked for verification always train; rewordings join, as many again at most. (The replays
+        that are only checked, LearnConfig.replay_check, are not among `sft` here: they neither train nor call
+        for rewordings.)"""
         must = [i for i in sft if i.verify]
         rest = [i for i in sft if not i.verify]
         return must + rng.sample(rest, min(len(rest), max(0, min(size - len(must), len(must)))))
