@@ -10,9 +10,13 @@ backend of the training passes has to do with it:
 2. the whole correction: a fresh server (OnlineLLM; --warm: its warm-up step on, off, or run here on the main
    thread, profiled), the process's first job, then jobs of ~512-token examples whose lengths differ a little (as
    real corrections do), interleaved between two adapters: one trained with torch's own choice of attention
-   backend (dark's default), one with flash (cuDNN's attention off: torch.backends.cuda.enable_cudnn_sdp).
+   backend (dark's default), one with flash (cuDNN's attention off: torch.backends.cuda.enable_cudnn_sdp);
+   --replay-check on off: an adapter per setting of LearnConfig.replay_check as well (the earlier examples checked
+   without gradients and trained once they slip, or all trained in every step), to see the jobs' growth with the
+   adapter's history.
 
     PYTHONPATH=$PWD python3 bench/probe_correction_shapes.py --tokenizer .data/tok --out $OUT/shapes.json
+    ... --skip-sdpa --modes torch --replay-check on off --lengths 512 505 ... (one job per length and setting)
 """
 from __future__ import annotations
 
@@ -89,6 +93,8 @@ def main() -> None:
     ap.add_argument("--skip-sdpa", action="store_true")
     ap.add_argument("--model-dir", type=Path, help="reuse (or build once into) this folder")
     ap.add_argument("--modes", nargs="+", default=["flash", "torch"], choices=["flash", "torch"])
+    ap.add_argument("--replay-check", nargs="+", default=["on"], choices=["on", "off"],
+                    help="LearnConfig.replay_check of the probe jobs; both: one adapter each, interleaved")
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 497, 483, 470, 455, 441],
                     help="example token targets, one job per mode each")
     args = ap.parse_args()
@@ -143,27 +149,31 @@ def main() -> None:
         seed = 0
         # the process's first job (its own adapter), then the modes' jobs interleaved, one adapter per mode, so
         # both meet the same growth of replayed examples; every job a length not met before
-        plan = [(args.first, 512, "first")] + [(m, n - 2 * j, "probe-" + m) for n in args.lengths
-                                                for j, m in enumerate(args.modes)]
-        for mode, target, adapter in plan:
+        variants = [(m, c) for m in args.modes for c in args.replay_check]
+        name = (lambda m, c: "probe-" + m + ("" if len(args.replay_check) == 1 else "-check-" + c))
+        plan = [(args.first, "on", 512, "first")] + [(m, c, n - 2 * j, name(m, c)) for n in args.lengths
+                                                     for j, (m, c) in enumerate(variants)]
+        for mode, check, target, adapter in plan:
             if dev.type == "cuda":  # process-wide: the learn thread's SDPA calls see it
                 torch.backends.cuda.enable_cudnn_sdp(mode == "torch")
             seed += 1
             ex = example_of(llm.tokenizer, target if dev.type == "cuda" else target // 8, seed=seed)
             toks = ex.pop("_tokens")
             t0 = time.perf_counter()
-            job = llm.submit_learn([ex], adapter=adapter, max_steps=1, min_steps=1)
+            job = llm.submit_learn([ex], adapter=adapter, max_steps=1, min_steps=1, replay_check=check == "on")
             rep = job.wait(180)
-            fig = {"adapter": adapter, "mode": mode, "example_tokens": toks,
+            fig = {"adapter": adapter, "mode": mode, "replay_check": check, "example_tokens": toks,
+                   "replays": rep.get("replays"), "replays_trained": rep.get("replays_trained"),
                    "to_published_s": round(job.published_at - t0, 3) if job.published_at else None,
                    "train_steps_s": (rep.get("timings") or {}).get("train_steps"),
                    "train_setup_s": (rep.get("timings") or {}).get("train_setup")}
             jobs.append(fig)
             print(json.dumps(fig), flush=True)
             save()
-        for m in args.modes:
-            mine = [j["to_published_s"] for j in jobs if j["adapter"] == "probe-" + m]
-            report.setdefault("by_mode", {})[m] = {"jobs": len(mine), "mean_s": round(sum(mine) / len(mine), 3)}
+        for m, c in variants:
+            mine = [j["to_published_s"] for j in jobs if j["adapter"] == name(m, c)]
+            report.setdefault("by_mode", {})[name(m, c)] = {"jobs": len(mine), "mean_s": round(sum(mine) / len(mine), 3),
+                                                            "last5_mean_s": round(sum(mine[-5:]) / len(mine[-5:]), 3)}
         print(json.dumps(report.get("by_mode")), flush=True)
     finally:
         llm.close()
