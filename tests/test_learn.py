@@ -327,6 +327,13 @@ def test_replays_are_checked_and_train_only_once_they_slip(llm):
         assert slipped.replays_trained >= 1, name  # the Blorp's colour was never taught: it fails its check, trains
         assert slipped.step_items[0] == 2 and max(slipped.step_items) >= 3, name
         assert slipped.timings["replay_checks"] > 0, name
+    # at max_steps the last pass (no gradients) checks the held replays beside the batch, in the same pass: a
+    # replay the adapter never learned fails the job's verification there, honestly reported
+    cfg = LearnConfig(max_steps=1, min_steps=1).validate()
+    items = tr.build_items(new, earlier + never, "sft", cfg)
+    capped = tr.train(mgr.weights("replays", mgr.current("replays")), None, items, cfg)
+    assert capped.steps == 1 and not capped.verified and capped.replays == 4
+    assert capped.timings["replay_checks"] == 0  # no separate check pass: the last pass held them
 
 
 def test_replay_check_setting_is_validated(llm):

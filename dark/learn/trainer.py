@@ -673,8 +673,12 @@ class Trainer:
                 # every check describes the weights as they are now, before this step's update: stop with them
                 resting = {id(i) for i in held}
                 batch = self._pick([i for i in sft if id(i) not in resting] if resting else sft, cfg.batch_size, rng)
-                groups = self._micro_batches(batch, cfg.micro_tokens)
                 final = step >= cfg.max_steps  # this pass only checks: the loop stops after it, whatever it finds
+                # a last pass checks the held replays beside the batch, in the same passes without gradients
+                held_in_pass = final and bool(held) and not low_precision
+                if held_in_pass:
+                    batch = batch + held
+                groups = self._micro_batches(batch, cfg.micro_tokens)
                 backward_done = False
                 if final or len(groups) > 1:
                     # a long batch in parts, each part's backward right after its forward (gradients add up):
@@ -705,9 +709,9 @@ class Trainer:
                     loss_total = loss_total + cfg.dpo_weight * pref
                     verified = verified and forgotten
                 slipped = []
-                if held and not low_precision and (final or (verified and kept and step >= cfg.min_steps)):
-                    # the trained items verify (or this is the last pass): the replays that did not train are
-                    # checked on the same weights, without gradients (under bf16 autocast, _confirm checks them)
+                if held and not low_precision and not held_in_pass and verified and kept and step >= cfg.min_steps:
+                    # the trained items verify: the replays that did not train are checked on the same weights,
+                    # without gradients (under bf16 autocast, _confirm checks them)
                     t = time.perf_counter()
                     slipped = self._failing(held, lora, cfg, threshold)
                     check_s += time.perf_counter() - t
