@@ -5,14 +5,17 @@ widths and 28 layers (a 7B's depth), so the counts are a 7B step's and the run t
 kernels' path, on the CPU the plain one.
 
     PYTHONPATH=$PWD python bench/count_train_sites.py --tokenizer .data/tok [--device cuda] [--out sites.json]
+        [--cprofile 40]   (the job's own time by Python function: where the host's time goes)
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import json
+import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -42,6 +45,11 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="also time the same job under cProfile and list the N functions with the most own time")
+    ap.add_argument("--repeat", type=int, default=3, help="jobs timed without any profiler (median wall ms)")
+    ap.add_argument("--walls-only", action="store_true", help="only the timed jobs: no counting, no profiler")
+    ap.add_argument("--no-cudnn-attention", action="store_true", help="torch.backends.cuda.enable_cudnn_sdp(False)")
     a = ap.parse_args()
     from torch.overrides import TorchFunctionMode
     from torch.profiler import ProfilerActivity, profile
@@ -66,17 +74,45 @@ def main() -> None:
         items = dark_items(argparse.Namespace(train_batch=2, seq_len=a.seq_len, label_tokens=32))
         # checkpointed as a 7B step of 2 x 2048 is (checkpoint_tokens 0: whatever the length), one part
         kw = dict(checkpoint_tokens=0, micro_tokens=-1)
+        if a.no_cudnn_attention:
+            torch.backends.cuda.enable_cudnn_sdp(False)
         train_dark(llm, items, LearnConfig(max_steps=1, min_steps=1, **kw).validate(), None)  # warm
-        acts = [ProfilerActivity.CPU]
-        with profile(activities=acts) as prof:
+        aten = collections.Counter()
+        if not a.walls_only:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                train_dark(llm, items, LearnConfig(max_steps=2, min_steps=2, **kw).validate(), None)
+            aten.update({e.key: e.count for e in prof.key_averages() if e.key.startswith("aten::")})
+            with Count():
+                train_dark(llm, items, LearnConfig(max_steps=2, min_steps=2, **kw).validate(), None)
+        walls = []
+        for _ in range(a.repeat):
+            if a.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            t = time.perf_counter()
             train_dark(llm, items, LearnConfig(max_steps=2, min_steps=2, **kw).validate(), None)
-        aten = collections.Counter({e.key: e.count for e in prof.key_averages() if e.key.startswith("aten::")})
-        with Count():
+            walls.append(round(1000 * (time.perf_counter() - t), 1))
+        report["job_wall_ms"] = walls
+        report["settings"] = {"no_cudnn_attention": a.no_cudnn_attention,
+                              "DISABLE_ADDMM_CUDA_LT": os.environ.get("DISABLE_ADDMM_CUDA_LT")}
+        if a.cprofile:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
             train_dark(llm, items, LearnConfig(max_steps=2, min_steps=2, **kw).validate(), None)
-        report = {"device": a.device, "aten_calls": sum(aten.values()), "python_torch_calls": sum(sites.values()),
+            prof.disable()
+            st = pstats.Stats(prof)
+            rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:a.cprofile]
+            report["cprofile_top_tottime"] = [
+                [f"{Path(f).name}:{line} {fn}", calls, round(1000 * tt, 1), round(1000 * ct, 1)]
+                for (f, line, fn), (_, calls, tt, ct, _) in rows]
+        report.update({"device": a.device, "aten_calls": sum(aten.values()), "python_torch_calls": sum(sites.values()),
                   "top_aten": aten.most_common(a.top), "top_sites": sites.most_common(a.top),
-                  "top_site_calls": [[f"{s} {f}", n] for (s, f), n in calls.most_common(a.top)]}
-    print(json.dumps({k: report[k] for k in ("device", "aten_calls", "python_torch_calls")}))
+                  "top_site_calls": [[f"{s} {f}", n] for (s, f), n in calls.most_common(a.top)]})
+    print(json.dumps({k: report[k] for k in ("device", "aten_calls", "python_torch_calls", "job_wall_ms", "settings")}))
+    for name, calls_n, tt, ct in report.get("cprofile_top_tottime", []):
+        print(f"{tt:8.1f} ms own {ct:8.1f} ms with callees {calls_n:7d} calls  {name}")
     for key in ("top_sites", "top_site_calls", "top_aten"):
         print("--", key)
         for name, n in report[key]:
