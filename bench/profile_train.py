@@ -54,9 +54,9 @@ CATEGORIES = [  # (category, substrings of a kernel's name), first match wins
     ("copy", ("Memcpy", "Memset")),
     ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
     ("attention", ("flash", "fmha", "cudnn", "attention")),
-    ("triton", ("_kernel",)),
-    ("elementwise", ("elementwise", "vectorized", "unrolled")),
-    ("reduce", ("reduce", "softmax", "norm", "cross_entropy")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "catarray")),
+    ("reduce", ("reduce_kernel", "softmax", "cross_entropy")),
+    ("triton", ("_kernel",)),  # dark's Triton kernels: _name_kernel (checked after torch's own *_kernel names)
 ]
 
 
