@@ -13,6 +13,7 @@ import argparse
 import collections
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -77,19 +78,23 @@ def main() -> None:
         if a.no_cudnn_attention:
             torch.backends.cuda.enable_cudnn_sdp(False)
         train_dark(llm, items, LearnConfig(max_steps=1, min_steps=1, **kw).validate(), None)  # warm
+        two_steps = LearnConfig(max_steps=2, min_steps=2, **kw).validate()
+
+        def job():
+            train_dark(llm, items, two_steps, None)
         aten = collections.Counter()
         if not a.walls_only:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
-                train_dark(llm, items, LearnConfig(max_steps=2, min_steps=2, **kw).validate(), None)
+                job()
             aten.update({e.key: e.count for e in prof.key_averages() if e.key.startswith("aten::")})
             with Count():
-                train_dark(llm, items, LearnConfig(max_steps=2, min_steps=2, **kw).validate(), None)
+                job()
         walls = []
         for _ in range(a.repeat):
             if a.device.startswith("cuda"):
                 torch.cuda.synchronize()
             t = time.perf_counter()
-            train_dark(llm, items, LearnConfig(max_steps=2, min_steps=2, **kw).validate(), None)
+            job()
             walls.append(round(1000 * (time.perf_counter() - t), 1))
         report["job_wall_ms"] = walls
         report["settings"] = {"no_cudnn_attention": a.no_cudnn_attention,
@@ -100,16 +105,17 @@ def main() -> None:
 
             prof = cProfile.Profile()
             prof.enable()
-            train_dark(llm, items, LearnConfig(max_steps=2, min_steps=2, **kw).validate(), None)
+            job()
             prof.disable()
             st = pstats.Stats(prof)
             rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:a.cprofile]
             report["cprofile_top_tottime"] = [
-                [f"{Path(f).name}:{line} {fn}", calls, round(1000 * tt, 1), round(1000 * ct, 1)]
-                for (f, line, fn), (_, calls, tt, ct, _) in rows]
+                [f"{Path(f).name}:{line} {fn}", n_calls, round(1000 * tt, 1), round(1000 * ct, 1)]
+                for (f, line, fn), (_, n_calls, tt, ct, _) in rows]
         report.update({"device": a.device, "aten_calls": sum(aten.values()), "python_torch_calls": sum(sites.values()),
-                  "top_aten": aten.most_common(a.top), "top_sites": sites.most_common(a.top),
-                  "top_site_calls": [[f"{s} {f}", n] for (s, f), n in calls.most_common(a.top)]})
+                       "top_aten": aten.most_common(a.top), "top_sites": sites.most_common(a.top),
+                       "top_site_calls": [[f"{s} {f}", n] for (s, f), n in calls.most_common(a.top)]})
+    shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps({k: report[k] for k in ("device", "aten_calls", "python_torch_calls", "job_wall_ms", "settings")}))
     for name, calls_n, tt, ct in report.get("cprofile_top_tottime", []):
         print(f"{tt:8.1f} ms own {ct:8.1f} ms with callees {calls_n:7d} calls  {name}")
