@@ -79,7 +79,7 @@ if triton is not None:
                      FIRST_K: tl.constexpr, GLU: tl.constexpr, LORA: tl.constexpr, R: tl.constexpr,
                      BR: tl.constexpr, MEMBERS: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
                      CODES: tl.constexpr, CR: tl.constexpr, CBR: tl.constexpr, CHUNK: tl.constexpr,
-                     PDL: tl.constexpr):
+                     PDL: tl.constexpr, DELTA_AFTER: tl.constexpr):
         # CODES (one row): programs from NMAIN on compute an adapter's partial codes of x for a LATER kernel to
         # add the delta (_codes_part), beside the product's programs
         if CODES:
@@ -89,11 +89,11 @@ if triton is not None:
             else:
                 _gemv_body(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om, lslot_ptr, lh_ptr,
                            lb_ptr, N1, N2, stride_bs, stride_br, M, HAS_BIAS, BLOCK_N, BLOCK_K, FIRST_K, GLU, LORA,
-                           R, BR, MEMBERS, SPLITS, SP, PDL)
+                           R, BR, MEMBERS, SPLITS, SP, PDL, DELTA_AFTER)
         else:
             _gemv_body(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om, lslot_ptr, lh_ptr,
                        lb_ptr, N1, N2, stride_bs, stride_br, M, HAS_BIAS, BLOCK_N, BLOCK_K, FIRST_K, GLU, LORA,
-                       R, BR, MEMBERS, SPLITS, SP, PDL)
+                       R, BR, MEMBERS, SPLITS, SP, PDL, DELTA_AFTER)
 
     @triton.jit
     def _gemv_body(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
@@ -101,7 +101,7 @@ if triton is not None:
                    M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    FIRST_K: tl.constexpr, GLU: tl.constexpr, LORA: tl.constexpr, R: tl.constexpr,
                    BR: tl.constexpr, MEMBERS: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
-                   PDL: tl.constexpr):
+                   PDL: tl.constexpr, DELTA_AFTER: tl.constexpr = False):
         # GLU: W is [2N, K], gate rows then up rows, and out = silu(x @ gate^T) * (x @ up^T), both products
         # rounded to out's dtype first (what the GEMV then silu_mul give). LORA (a batch of one): the adapter's
         # delta added before that rounding (a GLU's gate and up columns are its columns n and N + n).
@@ -127,7 +127,7 @@ if triton is not None:
             if GLU:
                 lb_u = _lora_b(lb_ptr, ls, n + N, lm, stride_bs, stride_br, R, BR)
         wait_prior(PDL)
-        if LORA:
+        if LORA and not DELTA_AFTER:
             # a token with no slot: lora_shrink left its codes unwritten (any bits, NaN too), and 0 * NaN is NaN
             delta = tl.where(lm, _lora_delta(lh_ptr, lb, n, N1, N2, BR, MEMBERS, SPLITS, SP), 0.0)
             if GLU:
@@ -155,6 +155,10 @@ if triton is not None:
             if GLU:
                 yu += tl.sum(acc_u, 1)
             if LORA:
+                if DELTA_AFTER:  # the codes read once the product is summed (M is 1 with LORA)
+                    delta = tl.where(lm, _lora_delta(lh_ptr, lb, n, N1, N2, BR, MEMBERS, SPLITS, SP), 0.0)
+                    if GLU:
+                        delta_u = tl.where(lm, _lora_delta(lh_ptr, lb_u, n + N, N1, N2, BR, MEMBERS, SPLITS, SP), 0.0)
                 y += delta
                 if GLU:
                     yu += delta_u
@@ -181,6 +185,9 @@ def config(n: int, k: int, glu: bool = False) -> tuple[int, int, int, int]:
     return 4, 1024, 4, 1024
 
 
+# with `lora`, whether a program reads the codes and sums its delta after its product (True) or before it, just
+# after the wait (a knob for bench/profile_adapter_step.py's A/B)
+DELTA_AFTER = os.environ.get("DARK_GEMV_DELTA_AFTER", "0") == "1"
 # the K range of one codes program (gemv's codes_out)
 CODES_CHUNK = 512
 # rows of each half a program of the gate/up GEMV takes when it adds an adapter's delta (None: config's; a knob for
@@ -248,7 +255,8 @@ def gemv(x, weight, bias=None, block_n: int | None = None, block_k: int | None =
 def _lora_args(lora: dict | None, M: int, rows: int) -> dict:
     """The kernel's LoRA arguments: pointers and sizes, and its constants."""
     if lora is None:
-        return {"args": (None, None, None, 0, 0, 0, 0), "consts": dict(LORA=False, R=1, BR=16, MEMBERS=1, SPLITS=1, SP=1)}
+        return {"args": (None, None, None, 0, 0, 0, 0),
+                "consts": dict(LORA=False, R=1, BR=16, MEMBERS=1, SPLITS=1, SP=1, DELTA_AFTER=False)}
     h, B, slot = lora["h"], lora["B"], lora["slot"]
     splits = lora.get("splits") or [rows]
     assert M == 1 and slot.numel() == 1 and h.shape[0] == 1 and h.shape[2] == len(splits) <= 3
@@ -256,4 +264,4 @@ def _lora_args(lora: dict | None, M: int, rows: int) -> dict:
     bounds = [sum(splits[:i + 1]) for i in range(len(splits) - 1)] + [rows, rows]
     return {"args": (slot, h, B, bounds[0], bounds[1], B.stride(0), B.stride(1)),
             "consts": dict(LORA=True, R=lora["rank"], BR=h.shape[3], MEMBERS=h.shape[2], SPLITS=h.shape[1],
-                           SP=triton.next_power_of_2(h.shape[1]))}
+                           SP=triton.next_power_of_2(h.shape[1]), DELTA_AFTER=DELTA_AFTER)}

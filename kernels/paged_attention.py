@@ -68,20 +68,44 @@ if triton is not None:
 
     @triton.jit
     def _qkv_rotary_store_kernel(y_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr, stride_y, stride_c,
-                                 stride_q, NH: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr,
+                                 stride_q, lslot_ptr, lh_ptr, lb_ptr, stride_bs, stride_br,
+                                 NH: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr, LORA: tl.constexpr,
+                                 R: tl.constexpr, BR: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
                                  PDL: tl.constexpr):
         # one program per (token, head of y): heads [0, NH) are q's, rotated into q; [NH, NH + NKV) k's, rotated
         # into the key cache; the rest v's, copied into the value cache. The rotation is the rotary kernel's.
+        # LORA (a batch of one): the adapter's delta of the head's columns added to y first (y + delta rounded to
+        # y's dtype, as lora_expand leaves the projection's output); the slot and B (the step's input, an adapter's
+        # weights) read before the wait, the codes (from the kernel before the projection's) after it, beside y
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         d = tl.arange(0, HALF)
         src = y_ptr + t * stride_y + h * (2 * HALF) + d
+        if LORA:
+            member = (h >= NH).to(tl.int32) + (h >= NH + NKV).to(tl.int32)
+            ls = tl.load(lslot_ptr).to(tl.int64)
+            has = ls >= 0
+            r = tl.arange(0, BR)
+            sp = tl.arange(0, SP)
+            bcol = lb_ptr + tl.maximum(ls, 0) * stride_bs + r[:, None] * stride_br + h * (2 * HALF) + d[None, :]
+            bm = (r < R)[:, None] & has
+            b1 = tl.load(bcol, mask=bm, other=0.0).to(tl.float32)
+            b2 = tl.load(bcol + HALF, mask=bm, other=0.0).to(tl.float32)
         wait_prior(PDL)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         cache = tl.maximum(slot, 0) * (NKV * 2 * HALF) + d  # a cache row of NKV heads, as store_kv's
+        if LORA:
+            # a token with no slot: its codes were never written (any bits, NaN too), so none of them is read
+            code = tl.sum(tl.load(lh_ptr + sp[:, None] * (3 * BR) + member * BR + r[None, :],
+                                  mask=(sp < SPLITS)[:, None] & ((r < R) & has)[None, :], other=0.0), 0)
+            delta1 = tl.sum(b1 * code[:, None], 0)
+            delta2 = tl.sum(b2 * code[:, None], 0)
         if h < NH + NKV:
             x1 = tl.load(src).to(tl.float32)
             x2 = tl.load(src + HALF).to(tl.float32)
+            if LORA:
+                x1 = (x1 + delta1).to(y_ptr.dtype.element_ty).to(tl.float32)
+                x2 = (x2 + delta2).to(y_ptr.dtype.element_ty).to(tl.float32)
             c1 = tl.load(cos_ptr + t * stride_c + d).to(tl.float32)
             c2 = tl.load(cos_ptr + t * stride_c + HALF + d).to(tl.float32)
             s1 = tl.load(sin_ptr + t * stride_c + d).to(tl.float32)
@@ -102,8 +126,13 @@ if triton is not None:
         else:
             v_mask = (d < HALF) & (slot >= 0)
             v_dst = vc_ptr + cache + (h - NH - NKV) * (2 * HALF)
-            tl.store(v_dst, tl.load(src).to(vc_ptr.dtype.element_ty), mask=v_mask)
-            tl.store(v_dst + HALF, tl.load(src + HALF).to(vc_ptr.dtype.element_ty), mask=v_mask)
+            v1 = tl.load(src)
+            v2 = tl.load(src + HALF)
+            if LORA:
+                v1 = (v1.to(tl.float32) + delta1).to(y_ptr.dtype.element_ty)
+                v2 = (v2.to(tl.float32) + delta2).to(y_ptr.dtype.element_ty)
+            tl.store(v_dst, v1.to(vc_ptr.dtype.element_ty), mask=v_mask)
+            tl.store(v_dst + HALF, v2.to(vc_ptr.dtype.element_ty), mask=v_mask)
 
     @triton.jit
     def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_k, stride_v, W: tl.constexpr,
@@ -239,12 +268,17 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
                            triton.next_power_of_2(W), **pdl(k.device))
 
 
-def qkv_rotary_store(y, nh, nkv, d, cos, sin, k_cache, v_cache, slot_mapping):
+def qkv_rotary_store(y, nh, nkv, d, cos, sin, k_cache, v_cache, slot_mapping, lora: dict | None = None):
     """A fused q/k/v projection output y [T, (nh + 2 * nkv) * d] (last dim contiguous, rows may be wider) ->
     q [T, nh, d] rotated (a new tensor), with k rotated and v written into caches [blocks, block_size, nkv, d]
     (contiguous) at the flat slots slot_mapping [T] (-1: skip), in one launch: what rotary (q and k) and store_kv
     write, by the same arithmetic. cos, sin [T, d] with their halves repeated, as dark.models.decoder.Rotary makes
-    them. One program per (token, head): 36 for a Qwen2.5-7B token, so a batch of one spreads over the SMs."""
+    them. One program per (token, head): 36 for a Qwen2.5-7B token, so a batch of one spreads over the SMs.
+
+    lora (T = 1): y lacks its adapter's delta, which is added here first, as dark.kernels.gemv's `lora` would have
+    added it in the projection (the same dict: "h" the q/k/v group's codes [1, splits, 3, BR] from the kernel
+    before the projection's, "B" [slots, rows, (nh + 2 * nkv) * d], "slot", "rank", "splits" the members' widths).
+    The q/k/v GEMV then runs as the base model's, and each head's program reads only its own columns of B."""
     T = y.shape[0]
     assert y.dim() == 2 and y.shape[1] == (nh + 2 * nkv) * d and y.stride(1) == 1 and d % 2 == 0
     assert k_cache.shape[2:] == (nkv, d) and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -252,10 +286,19 @@ def qkv_rotary_store(y, nh, nkv, d, cos, sin, k_cache, v_cache, slot_mapping):
     half = d // 2
     assert half & (half - 1) == 0, "head_dim / 2 must be a power of two"
     q = torch.empty(T, nh, d, device=y.device, dtype=y.dtype)
+    if lora is not None:
+        hc, B, ls = lora["h"], lora["B"], lora["slot"]
+        assert T == 1 and ls.numel() == 1 and hc.is_contiguous() and hc.shape[0] == 1 and hc.shape[2] == 3
+        assert list(lora["splits"]) == [nh * d, nkv * d, nkv * d] and B.stride(2) == 1
+        largs = (ls, hc, B, B.stride(0), B.stride(1))
+        lconst = dict(LORA=True, R=lora["rank"], BR=hc.shape[3], SPLITS=hc.shape[1],
+                      SP=triton.next_power_of_2(hc.shape[1]))
+    else:
+        largs, lconst = (None, None, None, 0, 0), dict(LORA=False, R=1, BR=16, SPLITS=1, SP=1)
     if T:
         _qkv_rotary_store_kernel[(T, nh + 2 * nkv)](y, cos, sin, q, k_cache, v_cache, slot_mapping, y.stride(0),
-                                                   cos.stride(0), q.stride(0), NH=nh, NKV=nkv, HALF=half,
-                                                   **pdl(y.device))
+                                                   cos.stride(0), q.stride(0), *largs, NH=nh, NKV=nkv, HALF=half,
+                                                   **lconst, **pdl(y.device))
     return q
 
 

@@ -507,6 +507,51 @@ def test_qkv_rotary_store_matches_reference(dtype, tol, nh, nkv, d):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("slot,splits", [(2, 1), (0, 3), (-1, 1)])
+def test_qkv_rotary_store_adds_the_lora_delta(dtype, tol, slot, splits):
+    """A batch of one whose q/k/v GEMV ran without its adapter: qkv_rotary_store adds each head's delta from the
+    group's codes (one or several partial sums) and B before rotating and storing, what lora_expand then the plain
+    launch give; a token with no adapter (slot -1, codes never written: NaN here) gets the base result exactly."""
+    from dark.kernels.lora import lora_expand
+    from dark.kernels.paged_attention import qkv_rotary_store, qkv_rotary_store_reference
+
+    nh, nkv, d, rank, max_rank, slots_n = 4, 2, 16, 5, 8, 3
+    g = torch.Generator().manual_seed(slot + 7 * splits)
+    y, cos, sin, kc, vc = _qkv_case(1, nh, nkv, d, 3, 4, dtype, seed=11)
+    y = y.contiguous()
+    outs = [nh * d, nkv * d, nkv * d]
+    B = torch.zeros(slots_n, max_rank, sum(outs))
+    B[:, :rank] = torch.randn(slots_n, rank, sum(outs), generator=g)
+    B = B.to(DEV, dtype)
+    h = torch.randn(1, splits, 3, 16, generator=g).to(DEV)
+    if slot < 0:
+        h.fill_(float("nan"))
+    slots = torch.tensor([slot], dtype=torch.int32, device=DEV)
+    mapping = torch.tensor([6], device=DEV)
+    ep = {"h": h, "B": B, "slot": slots, "rank": rank, "splits": outs}
+    k0, v0 = kc.clone(), vc.clone()
+    q = qkv_rotary_store(y, nh, nkv, d, cos, sin, kc, vc, mapping, lora=ep)
+    with_delta = y if slot < 0 else lora_expand(h, B, slots, y.clone(), rank, splits=outs)
+    q_two = qkv_rotary_store(with_delta, nh, nkv, d, cos, sin, k0, v0, mapping)
+    # the same sums in another order (lora_expand's): roundings apart
+    assert rel_err(q, q_two) < tol / 4 and rel_err(kc, k0) < tol / 4 and rel_err(vc, v0) < tol / 4
+    if slot < 0:
+        assert torch.equal(q, q_two) and torch.equal(kc, k0) and torch.equal(vc, v0)
+        return
+    # against plain torch: y plus each member's codes (summed over the partials) times its B columns
+    full, col = y.float().clone(), 0
+    for m, n in enumerate(outs):
+        full[:, col:col + n] += h[0, :, m, :rank].sum(0) @ B[slot, :rank, col:col + n].float()
+        col += n
+    k_ref, v_ref = kc.cpu().clone(), vc.cpu().clone()
+    q_ref = qkv_rotary_store_reference(full.to(dtype).cpu(), nh, nkv, d, cos.cpu(), sin.cpu(), k_ref, v_ref,
+                                       mapping.cpu())
+    assert rel_err(q.cpu(), q_ref) < tol and rel_err(kc.cpu(), k_ref) < tol and rel_err(vc.cpu(), v_ref) < tol
+    assert rel_err(q.cpu(), qkv_rotary_store_reference(y.cpu(), nh, nkv, d, cos.cpu(), sin.cpu(), k_ref.clone(),
+                                                      v_ref.clone(), mapping.cpu())) > 10 * tol  # the delta shows
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("tokens,heads,d", [(3, 4, 16), (5, 7, 64)])
 def test_rotary_matches_reference(dtype, tol, tokens, heads, d):
     from dark.kernels.norm_rope import rotary, rotary_reference
@@ -783,11 +828,15 @@ def test_gemv_matches_reference(dtype, tol, n, k, bias):
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("splits,glu,slot", [(None, False, 1), ([40, 24, 24], False, 2), ([48, 48], True, 0),
                                              (None, False, -1), ([48, 48], True, -1)])
-def test_gemv_adds_the_lora_delta_itself(dtype, tol, splits, glu, slot):
+@pytest.mark.parametrize("after", [False, True])
+def test_gemv_adds_the_lora_delta_itself(dtype, tol, splits, glu, slot, after, monkeypatch):
     """A batch of one: the GEMV with an adapter's codes adds the delta itself (one projection; a q/k/v group of
     three members; gate/up with SiLU * up), equal to the GEMV then lora_expand, and to the reference; a token
-    with no adapter (slot -1) gets the base projection."""
+    with no adapter (slot -1) gets the base projection. The codes read before the product or after it alike."""
+    from dark.kernels import gemv as gemv_module
     from dark.kernels.gemv import gemv
+
+    monkeypatch.setattr(gemv_module, "DELTA_AFTER", after)
     from dark.kernels.lora import lora_expand, lora_shrink
     from dark.kernels.norm_rope import silu_mul
 
@@ -896,7 +945,8 @@ def test_batch_of_one_takes_codes_from_the_norms(tiny_llm_with_adapters, monkeyp
     """One token with an adapter on the kernel path: the norms before q/k/v and gate/up and the attention's merge
     before o_proj write their codes, down_proj's GEMV writes its own and the next norm adds its delta, so no
     lora_shrink runs for the layers (4 launches a layer before), with the same hidden states and logits as the
-    shrink launches give (DARK_NORM_CODES=0). Adapter "a" targets every projection; "b" q, v, down_proj and the
+    shrink launches give (DARK_NORM_CODES=0), and as the q/k/v GEMV adding its delta itself gives (it is added by
+    qkv_rotary_store; DARK_QKV_LORA_LATE=0). Adapter "a" targets every projection; "b" q, v, down_proj and the
     LM head (zero factors elsewhere in its slot; the LM head's codes still from a shrink)."""
     from dark.engine.attention import KVCache, PagedDecodeAttention
     from dark.lora.slots import SlotLoRA
@@ -930,8 +980,18 @@ def test_batch_of_one_takes_codes_from_the_norms(tiny_llm_with_adapters, monkeyp
     monkeypatch.setenv("DARK_NORM_CODES", "0")
     run()
     monkeypatch.delenv("DARK_NORM_CODES")
+    monkeypatch.setenv("DARK_QKV_LORA_LATE", "0")
+    run()
+    monkeypatch.delenv("DARK_QKV_LORA_LATE")
     counter = _LaunchCounter(monkeypatch)
     (hidden, counts) = run()
+    # the q/k/v delta added by the GEMV instead of qkv_rotary_store: the same launches and the same values
+    monkeypatch.setenv("DARK_QKV_LORA_LATE", "0")
+    (in_gemv, gemv_counts) = run()
+    monkeypatch.delenv("DARK_QKV_LORA_LATE")
+    kernels = lambda c: {k: n for k, n in c.items() if not k.startswith("aten.")}  # noqa: E731 (the interpreter's copies aside)
+    assert kernels(gemv_counts) == kernels(counts)
+    torch.testing.assert_close(hidden, in_gemv, rtol=1e-4, atol=1e-4)
     monkeypatch.setenv("DARK_NORM_CODES", "0")
     (shrunk, old_counts) = run()
     layers = cfg.num_layers

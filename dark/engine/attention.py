@@ -123,16 +123,17 @@ class PagedDecodeAttention:
         return pa.paged_decode(q, kc, vc, self.block_tables, self.ctx_lens, self.scale, self.splits)
 
     def attend_fused_qkv(self, layer: int, y: torch.Tensor, nh: int, nkv: int, d: int, cos: torch.Tensor,
-                         sin: torch.Tensor, codes: dict | None = None) -> torch.Tensor:
+                         sin: torch.Tensor, codes: dict | None = None, lora: dict | None = None) -> torch.Tensor:
         """attend on a fused q/k/v projection output y [T, (nh + 2 * nkv) * d], unrotated: q and k rotated and k, v
         stored in one launch (qkv_rotary_store) instead of two rotary launches and store_kv, then paged_decode.
         SelfAttention calls it in passes without autograd with the fused kernels on, when q and k have no norm.
-        codes: paged_decode's (an adapter's codes for o_proj, a batch of one)."""
+        codes: paged_decode's (an adapter's codes for o_proj, a batch of one); lora: qkv_rotary_store's (y still
+        lacks the q/k/v group's adapter delta, a batch of one)."""
         from ..models.decoder import kernel_module
 
         pa = kernel_module("paged_attention")
         kc, vc = self.cache.data[layer, 0], self.cache.data[layer, 1]
-        q = pa.qkv_rotary_store(y, nh, nkv, d, cos, sin, kc, vc, self.slot_mapping)
+        q = pa.qkv_rotary_store(y, nh, nkv, d, cos, sin, kc, vc, self.slot_mapping, lora=lora)
         return pa.paged_decode(q, kc, vc, self.block_tables, self.ctx_lens, self.scale, self.splits, codes=codes)
 
 

@@ -302,7 +302,16 @@ class SelfAttention(nn.Module):
         t = x.shape[0]
         training = self.fused and torch.is_grad_enabled()  # the Triton kernels' autograd forms
         if self.qkv is not None and _grouped(lora):
-            y = _project_lora(x, *self.qkv, self.fused, lora, self.layer, "qkv", group=True)
+            late = False
+            if (self.fused and not training and self.q_norm is None and hasattr(attn, "attend_fused_qkv")
+                    and _gemv_applies(x, self.fused) and os.environ.get("DARK_QKV_LORA_LATE", "1") != "0"):
+                # one token on the decode path: the GEMV runs as the base model's and qkv_rotary_store, which
+                # reads each head's columns anyway, adds the adapter's delta (a few KB of B a head) before rotating
+                late = _gemv_lora(lora, self.layer, "qkv", x, True)
+            if late is False:
+                y = _project_lora(x, *self.qkv, self.fused, lora, self.layer, "qkv", group=True)
+            else:
+                y = kernel_module("gemv").gemv(x, *self.qkv)
             if training and self.q_norm is None:
                 # split, rotary and their backward in a few launches, one gradient for y
                 q, k, v = kernel_module("norm_rope").qkv_rotary_train(y, self.nh, self.nkv, self.d, cos, sin)
@@ -310,7 +319,7 @@ class SelfAttention(nn.Module):
             if self.fused and not training and self.q_norm is None and hasattr(attn, "attend_fused_qkv"):
                 # serving's decode attention: rotary of q and k and the cache store in one launch, on y as it is
                 codes = _norm_codes(lora, self.layer, "o_proj", y, parts=self.nh)  # from the attention's merge
-                out = attn.attend_fused_qkv(self.layer, y, self.nh, self.nkv, self.d, cos, sin, codes)
+                out = attn.attend_fused_qkv(self.layer, y, self.nh, self.nkv, self.d, cos, sin, codes, late or None)
                 return self.o_proj(out.reshape(t, self.nh * self.d), lora)
             q, k, v = y.split([self.nh * self.d, self.nkv * self.d, self.nkv * self.d], -1)
             q, k, v = q.reshape(t, self.nh, self.d), k.reshape(t, self.nkv, self.d), v.reshape(t, self.nkv, self.d)
