@@ -97,7 +97,7 @@ if triton is not None:
                            db_ptr, dh_ptr, stride_dbs, stride_dbr, eps, BN: tl.constexpr, HAS_DELTA: tl.constexpr,
                            R: tl.constexpr, BR: tl.constexpr, MEMBERS: tl.constexpr, STRIDE: tl.constexpr,
                            CPB: tl.constexpr, DL: tl.constexpr, DR: tl.constexpr, DBR: tl.constexpr,
-                           DP: tl.constexpr, DSP: tl.constexpr, PDL: tl.constexpr):
+                           DP: tl.constexpr, DSP: tl.constexpr, PDL: tl.constexpr, DL_EARLY: tl.constexpr):
         """One row: program 0 is _rms_norm_kernel (HAS_DELTA: _add_rms_norm_kernel); program p > 0 computes the
         same normed row and, from it, CPB of the adapter's codes: code c = (p - 1) * CPB + i is member c // BR's
         rank row c % BR, h[c] = normed . A[slot, member * STRIDE + rank row] in fp32 (rows past R give 0). Its A
@@ -105,7 +105,8 @@ if triton is not None:
 
         DL (with HAS_DELTA): delta is a projection's output still without its adapter delta, whose codes are DP
         partial sums dh [DP, DBR] (gemv's codes_out): every program adds codes @ B[slot, :DR] to it (rounded to
-        delta's dtype, as a GEMV output would be) before the residual add."""
+        delta's dtype, as a GEMV output would be) before the residual add. DL_EARLY: B's [DR, N] tile is read before
+        the wait, in registers (with enough warps), not row by row after it."""
         p = tl.program_id(0)
         n = tl.arange(0, BN)
         m = n < N
@@ -120,6 +121,10 @@ if triton is not None:
             cm = (member < MEMBERS) & (r < R) & (p > 0)
             a = tl.load(a_ptr + s * stride_as + (member * STRIDE + r).to(tl.int64)[:, None] * stride_ar + n[None, :],
                         mask=cm[:, None] & m[None, :], other=0.0)
+        if DL and DL_EARLY:
+            rb = tl.arange(0, DBR)
+            b_all = tl.load(db_ptr + s * stride_dbs + rb[:, None] * stride_dbr + n[None, :],
+                            mask=((rb < DR)[:, None] & m[None, :]) & has, other=0.0)
         wait_prior(PDL)
         x = tl.load(x_ptr + n, mask=m, other=0.0).to(tl.float32)
         if HAS_DELTA:
@@ -128,10 +133,13 @@ if triton is not None:
                 j = tl.arange(0, DSP)
                 rr = tl.arange(0, DBR)
                 dcodes = tl.sum(tl.load(dh_ptr + j[:, None] * DBR + rr[None, :], mask=(j < DP)[:, None], other=0.0), 0)
-                for i in tl.static_range(DR):  # one rank row of B at a time: [BN] each, not [DR, BN] at once
-                    code = tl.sum(tl.where(rr == i, dcodes, 0.0), 0)
-                    d += code * tl.load(db_ptr + s * stride_dbs + i * stride_dbr + n, mask=m & has,
-                                        other=0.0).to(tl.float32)
+                if DL_EARLY:
+                    d += tl.sum(b_all.to(tl.float32) * tl.where(rr < DR, dcodes, 0.0)[:, None], 0)
+                else:
+                    for i in tl.static_range(DR):  # one rank row of B at a time: [BN] each, not [DR, BN] at once
+                        code = tl.sum(tl.where(rr == i, dcodes, 0.0), 0)
+                        d += code * tl.load(db_ptr + s * stride_dbs + i * stride_dbr + n, mask=m & has,
+                                            other=0.0).to(tl.float32)
                 d = d.to(d_ptr.dtype.element_ty).to(tl.float32)
             x = (x + d).to(sum_ptr.dtype.element_ty)
             if p == 0:
@@ -253,6 +261,10 @@ def add_rms_norm(x, delta, weight, eps, codes=None, delta_lora=None):
 # codes a program of _norm_codes_kernel computes, and its warps (knobs for bench/profile_offline.py's A/B)
 CODES_PER_PROGRAM = 4
 CODES_WARPS = 8
+# with a deferred delta (delta_lora): B's whole tile read before the wait (True), or row by row after it; the warps
+# of such a launch (a knob for bench/profile_adapter_step.py's A/B)
+DELTA_EARLY = False
+DELTA_WARPS = 8
 
 
 def _norm_codes(x, delta, weight, eps, codes, delta_lora=None):
@@ -297,7 +309,9 @@ def _norm_codes(x, delta, weight, eps, codes, delta_lora=None):
     a, slot, h, stride_as, stride_ar = cargs
     _norm_codes_kernel[(1 + programs,)](x2, d2, weight, out, summed, a, slot, h, N, stride_as, stride_ar, *dargs, eps,
                                         BN=triton.next_power_of_2(N), HAS_DELTA=delta is not None, **cconst,
-                                        CPB=CODES_PER_PROGRAM, **dconst, num_warps=CODES_WARPS, **pdl(x.device))
+                                        CPB=CODES_PER_PROGRAM, **dconst, DL_EARLY=DELTA_EARLY and delta_lora is not None,
+                                        num_warps=DELTA_WARPS if delta_lora is not None else CODES_WARPS,
+                                        **pdl(x.device))
     if codes is not None:
         codes["written"] = True
     if delta is None:

@@ -1048,14 +1048,19 @@ def test_paged_decode_merge_writes_codes(dtype, tol, slot, rank):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("K,rank,slot", [(1100, 6, 1), (512, 8, -1)])
-def test_gemv_codes_out_and_the_norm_that_adds_the_delta(dtype, tol, K, rank, slot):
+@pytest.mark.parametrize("early", [False, True])
+def test_gemv_codes_out_and_the_norm_that_adds_the_delta(dtype, tol, K, rank, slot, early, monkeypatch):
     """down_proj with an adapter at batch 1, its delta left to the next norm: the GEMV with codes_out (and a
     bias) gives the plain GEMV's output and lora_shrink's codes (partial sums over K ranges); add_rms_norm with
     delta_lora then equals add_rms_norm of the GEMV that added the delta itself (the same sum, rounded once
-    more), and the reference; with slot -1 it is the plain add_rms_norm."""
+    more), and the reference; with slot -1 it is the plain add_rms_norm. The norm reads B before its wait or
+    after it alike."""
+    from dark.kernels import norm_rope
     from dark.kernels.gemv import codes_parts, gemv
     from dark.kernels.lora import lora_shrink
     from dark.kernels.norm_rope import add_rms_norm, add_rms_norm_reference
+
+    monkeypatch.setattr(norm_rope, "DELTA_EARLY", early)
 
     g = torch.Generator().manual_seed(K + rank)
     N, max_rank = 96, 8
