@@ -57,6 +57,16 @@ if triton is not None:
         return delta
 
     @triton.jit
+    def _member_delta(h_ptr, b, mm, BR: tl.constexpr, MEMBERS: tl.constexpr, SPLITS: tl.constexpr,
+                      SP: tl.constexpr):
+        """fp32 [BLOCK_N]: _lora_delta where every column is member mm's (a GLU tile's gate or up half)."""
+        r = tl.arange(0, BR)
+        sp = tl.arange(0, SP)
+        hm = tl.sum(tl.load(h_ptr + sp[:, None] * (MEMBERS * BR) + mm * BR + r[None, :],
+                            mask=(sp < SPLITS)[:, None], other=0.0), 0)
+        return tl.sum(b * hm[:, None], 0)
+
+    @triton.jit
     def _codes_part(x_ptr, K, ca_ptr, cslot_ptr, cout_ptr, stride_cas, stride_car, j, CR: tl.constexpr,
                     CBR: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
         """Program j of the codes programs: one row x's partial codes over K range j, cout[j, r] =
@@ -129,9 +139,11 @@ if triton is not None:
         wait_prior(PDL)
         if LORA and not DELTA_AFTER:
             # a token with no slot: lora_shrink left its codes unwritten (any bits, NaN too), and 0 * NaN is NaN
-            delta = tl.where(lm, _lora_delta(lh_ptr, lb, n, N1, N2, BR, MEMBERS, SPLITS, SP), 0.0)
-            if GLU:
-                delta_u = tl.where(lm, _lora_delta(lh_ptr, lb_u, n + N, N1, N2, BR, MEMBERS, SPLITS, SP), 0.0)
+            if GLU:  # gate's rows are member 0's, up's member 1's
+                delta = tl.where(lm, _member_delta(lh_ptr, lb, 0, BR, MEMBERS, SPLITS, SP), 0.0)
+                delta_u = tl.where(lm, _member_delta(lh_ptr, lb_u, 1, BR, MEMBERS, SPLITS, SP), 0.0)
+            else:
+                delta = tl.where(lm, _lora_delta(lh_ptr, lb, n, N1, N2, BR, MEMBERS, SPLITS, SP), 0.0)
         kk = tl.arange(0, BLOCK_K)
         for m in tl.static_range(M):
             x1 = tl.load(x_ptr + m * stride_xm + k1, mask=k1 < K, other=0.0).to(tl.float32)
@@ -156,9 +168,11 @@ if triton is not None:
                 yu += tl.sum(acc_u, 1)
             if LORA:
                 if DELTA_AFTER:  # the codes read once the product is summed (M is 1 with LORA)
-                    delta = tl.where(lm, _lora_delta(lh_ptr, lb, n, N1, N2, BR, MEMBERS, SPLITS, SP), 0.0)
                     if GLU:
-                        delta_u = tl.where(lm, _lora_delta(lh_ptr, lb_u, n + N, N1, N2, BR, MEMBERS, SPLITS, SP), 0.0)
+                        delta = tl.where(lm, _member_delta(lh_ptr, lb, 0, BR, MEMBERS, SPLITS, SP), 0.0)
+                        delta_u = tl.where(lm, _member_delta(lh_ptr, lb_u, 1, BR, MEMBERS, SPLITS, SP), 0.0)
+                    else:
+                        delta = tl.where(lm, _lora_delta(lh_ptr, lb, n, N1, N2, BR, MEMBERS, SPLITS, SP), 0.0)
                 y += delta
                 if GLU:
                     yu += delta_u
@@ -186,8 +200,11 @@ def config(n: int, k: int, glu: bool = False) -> tuple[int, int, int, int]:
 
 
 # with `lora`, whether a program reads the codes and sums its delta after its product (True) or before it, just
-# after the wait (a knob for bench/profile_adapter_step.py's A/B)
-DELTA_AFTER = os.environ.get("DARK_GEMV_DELTA_AFTER", "0") == "1"
+# after the wait: the GEMV alone (o_proj's, whose codes are 28 partial sums) and the gate/up one with SiLU (knobs
+# for bench/profile_adapter_step.py's A/B; H200, 7B shapes, batch 1: o_proj's delta costs ~0 after its product
+# against ~1.7 us a layer before it, gate/up's ~2.8 before against ~3.7 after)
+DELTA_AFTER = True
+GLU_DELTA_AFTER = False
 # the K range of one codes program (gemv's codes_out)
 CODES_CHUNK = 512
 # rows of each half a program of the gate/up GEMV takes when it adds an adapter's delta (None: config's; a knob for
@@ -234,7 +251,7 @@ def gemv(x, weight, bias=None, block_n: int | None = None, block_k: int | None =
         # the CPU interpreter runs program by program: few large ones (an LM head is 10^4 programs of 4 rows)
         block_n = max(block_n, min(1024, 2**18 // max(first_k, block_k)))
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    lo = _lora_args(lora, M, weight.shape[0])
+    lo = _lora_args(lora, M, weight.shape[0], glu)
     main = triton.cdiv(N, block_n)
     if codes_out is not None:
         A, h = codes_out["A"], codes_out["out"]
@@ -252,7 +269,7 @@ def gemv(x, weight, bias=None, block_n: int | None = None, block_k: int | None =
     return out
 
 
-def _lora_args(lora: dict | None, M: int, rows: int) -> dict:
+def _lora_args(lora: dict | None, M: int, rows: int, glu: bool = False) -> dict:
     """The kernel's LoRA arguments: pointers and sizes, and its constants."""
     if lora is None:
         return {"args": (None, None, None, 0, 0, 0, 0),
@@ -261,7 +278,9 @@ def _lora_args(lora: dict | None, M: int, rows: int) -> dict:
     splits = lora.get("splits") or [rows]
     assert M == 1 and slot.numel() == 1 and h.shape[0] == 1 and h.shape[2] == len(splits) <= 3
     assert B.stride(2) == 1 and B.shape[2] == rows == sum(splits) and h.is_contiguous()
+    assert not glu or len(splits) == 2, "a GLU's adapter delta comes as two members: gate's and up's"
     bounds = [sum(splits[:i + 1]) for i in range(len(splits) - 1)] + [rows, rows]
     return {"args": (slot, h, B, bounds[0], bounds[1], B.stride(0), B.stride(1)),
             "consts": dict(LORA=True, R=lora["rank"], BR=h.shape[3], MEMBERS=h.shape[2], SPLITS=h.shape[1],
-                           SP=triton.next_power_of_2(h.shape[1]), DELTA_AFTER=DELTA_AFTER)}
+                           SP=triton.next_power_of_2(h.shape[1]),
+                           DELTA_AFTER=GLU_DELTA_AFTER if glu else DELTA_AFTER)}

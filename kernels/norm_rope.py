@@ -262,8 +262,9 @@ def add_rms_norm(x, delta, weight, eps, codes=None, delta_lora=None):
 CODES_PER_PROGRAM = 4
 CODES_WARPS = 8
 # with a deferred delta (delta_lora): B's whole tile read before the wait (True), or row by row after it; the warps
-# of such a launch (a knob for bench/profile_adapter_step.py's A/B)
-DELTA_EARLY = False
+# of such a launch (knobs for bench/profile_adapter_step.py's A/B; H200, 7B shapes, batch 1: the norm that adds
+# down_proj's delta and writes q/k/v's codes moves the step ~3.8 us a layer early, ~2.4 with it)
+DELTA_EARLY = True
 DELTA_WARPS = 8
 
 

@@ -94,18 +94,19 @@ if triton is not None:
         wait_prior(PDL)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         cache = tl.maximum(slot, 0) * (NKV * 2 * HALF) + d  # a cache row of NKV heads, as store_kv's
+        # y's two halves and the codes are all loaded before any of them is used: one round trip to memory
+        y1 = tl.load(src)
+        y2 = tl.load(src + HALF)
         if LORA:
             # a token with no slot: its codes were never written (any bits, NaN too), so none of them is read
-            code = tl.sum(tl.load(lh_ptr + sp[:, None] * (3 * BR) + member * BR + r[None, :],
-                                  mask=(sp < SPLITS)[:, None] & ((r < R) & has)[None, :], other=0.0), 0)
-            delta1 = tl.sum(b1 * code[:, None], 0)
-            delta2 = tl.sum(b2 * code[:, None], 0)
+            hs = tl.load(lh_ptr + sp[:, None] * (3 * BR) + member * BR + r[None, :],
+                         mask=(sp < SPLITS)[:, None] & ((r < R) & has)[None, :], other=0.0)
+            code = tl.sum(hs, 0)
+            y1 = (y1.to(tl.float32) + tl.sum(b1 * code[:, None], 0)).to(y_ptr.dtype.element_ty)
+            y2 = (y2.to(tl.float32) + tl.sum(b2 * code[:, None], 0)).to(y_ptr.dtype.element_ty)
         if h < NH + NKV:
-            x1 = tl.load(src).to(tl.float32)
-            x2 = tl.load(src + HALF).to(tl.float32)
-            if LORA:
-                x1 = (x1 + delta1).to(y_ptr.dtype.element_ty).to(tl.float32)
-                x2 = (x2 + delta2).to(y_ptr.dtype.element_ty).to(tl.float32)
+            x1 = y1.to(tl.float32)
+            x2 = y2.to(tl.float32)
             c1 = tl.load(cos_ptr + t * stride_c + d).to(tl.float32)
             c2 = tl.load(cos_ptr + t * stride_c + HALF + d).to(tl.float32)
             s1 = tl.load(sin_ptr + t * stride_c + d).to(tl.float32)
@@ -126,13 +127,8 @@ if triton is not None:
         else:
             v_mask = (d < HALF) & (slot >= 0)
             v_dst = vc_ptr + cache + (h - NH - NKV) * (2 * HALF)
-            v1 = tl.load(src)
-            v2 = tl.load(src + HALF)
-            if LORA:
-                v1 = (v1.to(tl.float32) + delta1).to(y_ptr.dtype.element_ty)
-                v2 = (v2.to(tl.float32) + delta2).to(y_ptr.dtype.element_ty)
-            tl.store(v_dst, v1.to(vc_ptr.dtype.element_ty), mask=v_mask)
-            tl.store(v_dst + HALF, v2.to(vc_ptr.dtype.element_ty), mask=v_mask)
+            tl.store(v_dst, y1.to(vc_ptr.dtype.element_ty), mask=v_mask)
+            tl.store(v_dst + HALF, y2.to(vc_ptr.dtype.element_ty), mask=v_mask)
 
     @triton.jit
     def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_k, stride_v, W: tl.constexpr,

@@ -837,6 +837,7 @@ def test_gemv_adds_the_lora_delta_itself(dtype, tol, splits, glu, slot, after, m
     from dark.kernels.gemv import gemv
 
     monkeypatch.setattr(gemv_module, "DELTA_AFTER", after)
+    monkeypatch.setattr(gemv_module, "GLU_DELTA_AFTER", after)
     from dark.kernels.lora import lora_expand, lora_shrink
     from dark.kernels.norm_rope import silu_mul
 
