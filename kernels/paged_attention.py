@@ -71,12 +71,15 @@ if triton is not None:
                                  stride_q, lslot_ptr, lh_ptr, lb_ptr, stride_bs, stride_br,
                                  NH: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr, LORA: tl.constexpr,
                                  R: tl.constexpr, BR: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
-                                 PDL: tl.constexpr):
+                                 CODES_AFTER: tl.constexpr, PDL: tl.constexpr):
         # one program per (token, head of y): heads [0, NH) are q's, rotated into q; [NH, NH + NKV) k's, rotated
         # into the key cache; the rest v's, copied into the value cache. The rotation is the rotary kernel's.
         # LORA (a batch of one): the adapter's delta of the head's columns added to y first (y + delta rounded to
-        # y's dtype, as lora_expand leaves the projection's output); the slot and B (the step's input, an adapter's
-        # weights) read before the wait, the codes (from the kernel before the projection's) after it, beside y
+        # y's dtype, as lora_expand leaves the projection's output). The slot and B (the step's input, an adapter's
+        # weights) are read before the wait; so are the codes when they come from the kernel before the
+        # projection's (the norm): under dependent launch this kernel starts only once every program of the
+        # projection has passed its own wait, so the norm is finished and its writes are in L2 (read past L1:
+        # ".cg"). CODES_AFTER (codes from the projection's own codes programs): after the wait, beside y.
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         d = tl.arange(0, HALF)
@@ -91,6 +94,13 @@ if triton is not None:
             bm = (r < R)[:, None] & has
             b1 = tl.load(bcol, mask=bm, other=0.0).to(tl.float32)
             b2 = tl.load(bcol + HALF, mask=bm, other=0.0).to(tl.float32)
+            if not CODES_AFTER:
+                # a token with no slot: its codes were never written (any bits, NaN too), so none of them is read
+                code = tl.sum(tl.load(lh_ptr + sp[:, None] * (3 * BR) + member * BR + r[None, :],
+                                      mask=(sp < SPLITS)[:, None] & ((r < R) & has)[None, :], other=0.0,
+                                      cache_modifier=".cg"), 0)
+                delta1 = tl.sum(b1 * code[:, None], 0)
+                delta2 = tl.sum(b2 * code[:, None], 0)
         wait_prior(PDL)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         cache = tl.maximum(slot, 0) * (NKV * 2 * HALF) + d  # a cache row of NKV heads, as store_kv's
@@ -98,12 +108,14 @@ if triton is not None:
         y1 = tl.load(src)
         y2 = tl.load(src + HALF)
         if LORA:
-            # a token with no slot: its codes were never written (any bits, NaN too), so none of them is read
-            hs = tl.load(lh_ptr + sp[:, None] * (3 * BR) + member * BR + r[None, :],
-                         mask=(sp < SPLITS)[:, None] & ((r < R) & has)[None, :], other=0.0)
-            code = tl.sum(hs, 0)
-            y1 = (y1.to(tl.float32) + tl.sum(b1 * code[:, None], 0)).to(y_ptr.dtype.element_ty)
-            y2 = (y2.to(tl.float32) + tl.sum(b2 * code[:, None], 0)).to(y_ptr.dtype.element_ty)
+            if CODES_AFTER:
+                hs = tl.load(lh_ptr + sp[:, None] * (3 * BR) + member * BR + r[None, :],
+                             mask=(sp < SPLITS)[:, None] & ((r < R) & has)[None, :], other=0.0)
+                code = tl.sum(hs, 0)
+                delta1 = tl.sum(b1 * code[:, None], 0)
+                delta2 = tl.sum(b2 * code[:, None], 0)
+            y1 = (y1.to(tl.float32) + delta1).to(y_ptr.dtype.element_ty)
+            y2 = (y2.to(tl.float32) + delta2).to(y_ptr.dtype.element_ty)
         if h < NH + NKV:
             x1 = y1.to(tl.float32)
             x2 = y2.to(tl.float32)
@@ -264,6 +276,11 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
                            triton.next_power_of_2(W), **pdl(k.device))
 
 
+# with `lora`: the codes read after the wait, beside y (True), or before it (a knob for
+# bench/profile_adapter_step.py's A/B)
+ROTARY_CODES_AFTER = False
+
+
 def qkv_rotary_store(y, nh, nkv, d, cos, sin, k_cache, v_cache, slot_mapping, lora: dict | None = None):
     """A fused q/k/v projection output y [T, (nh + 2 * nkv) * d] (last dim contiguous, rows may be wider) ->
     q [T, nh, d] rotated (a new tensor), with k rotated and v written into caches [blocks, block_size, nkv, d]
@@ -273,7 +290,9 @@ def qkv_rotary_store(y, nh, nkv, d, cos, sin, k_cache, v_cache, slot_mapping, lo
 
     lora (T = 1): y lacks its adapter's delta, which is added here first, as dark.kernels.gemv's `lora` would have
     added it in the projection (the same dict: "h" the q/k/v group's codes [1, splits, 3, BR] from the kernel
-    before the projection's, "B" [slots, rows, (nh + 2 * nkv) * d], "slot", "rank", "splits" the members' widths).
+    before the projection's, "B" [slots, rows, (nh + 2 * nkv) * d], "slot", "rank", "splits" the members' widths;
+    "codes_from_prior": True when the kernel just before this one wrote the codes, the projection's own codes
+    programs (gemv's codes_out), so that they are read only after the wait)
     The q/k/v GEMV then runs as the base model's, and each head's program reads only its own columns of B."""
     T = y.shape[0]
     assert y.dim() == 2 and y.shape[1] == (nh + 2 * nkv) * d and y.stride(1) == 1 and d % 2 == 0
@@ -288,9 +307,10 @@ def qkv_rotary_store(y, nh, nkv, d, cos, sin, k_cache, v_cache, slot_mapping, lo
         assert list(lora["splits"]) == [nh * d, nkv * d, nkv * d] and B.stride(2) == 1
         largs = (ls, hc, B, B.stride(0), B.stride(1))
         lconst = dict(LORA=True, R=lora["rank"], BR=hc.shape[3], SPLITS=hc.shape[1],
-                      SP=triton.next_power_of_2(hc.shape[1]))
+                      SP=triton.next_power_of_2(hc.shape[1]),
+                      CODES_AFTER=bool(lora.get("codes_from_prior")) or ROTARY_CODES_AFTER)
     else:
-        largs, lconst = (None, None, None, 0, 0), dict(LORA=False, R=1, BR=16, SPLITS=1, SP=1)
+        largs, lconst = (None, None, None, 0, 0), dict(LORA=False, R=1, BR=16, SPLITS=1, SP=1, CODES_AFTER=False)
     if T:
         _qkv_rotary_store_kernel[(T, nh + 2 * nkv)](y, cos, sin, q, k_cache, v_cache, slot_mapping, y.stride(0),
                                                    cos.stride(0), q.stride(0), *largs, NH=nh, NKV=nkv, HALF=half,

@@ -778,8 +778,14 @@ def test_decode_layer_launches_fewer_kernels(tiny_models, monkeypatch):
         def attend(self, *args):
             return self.inner.attend(*args)
 
-    counter = _LaunchCounter(monkeypatch)
     start = cache.data.clone()
+    with torch.inference_mode():  # compiled (on a GPU) before the counter wraps the kernels' jit helpers
+        attn = PagedDecodeAttention(cache, slots, tables, ctx)
+        layer(x_added, cos, sin, EarlierRoute(attn), None)
+        layer(x, cos, sin, attn, None, pending, True)
+        model.hidden_states(torch.tensor([3, 7, 0], device=DEV), torch.tensor([5, 10, 0], device=DEV), attn)
+    cache.data.copy_(start)
+    counter = _LaunchCounter(monkeypatch)
     with torch.inference_mode():
         attn = PagedDecodeAttention(cache, slots, tables, ctx)
         old, old_counts = counter.count(lambda: layer(x_added, cos, sin, EarlierRoute(attn), None))
@@ -943,12 +949,13 @@ def test_norm_codes_match_norm_then_shrink(dtype, tol, members, rank, slot, with
 
 @pytest.mark.parametrize("adapter", ["a", "b"])
 def test_batch_of_one_takes_codes_from_the_norms(tiny_llm_with_adapters, monkeypatch, adapter):
-    """One token with an adapter on the kernel path: the norms before q/k/v and gate/up and the attention's merge
-    before o_proj write their codes, down_proj's GEMV writes its own and the next norm adds its delta, so no
-    lora_shrink runs for the layers (4 launches a layer before), with the same hidden states and logits as the
-    shrink launches give (DARK_NORM_CODES=0), and as the q/k/v GEMV adding its delta itself gives (it is added by
-    qkv_rotary_store; DARK_QKV_LORA_LATE=0). Adapter "a" targets every projection; "b" q, v, down_proj and the
-    LM head (zero factors elsewhere in its slot; the LM head's codes still from a shrink)."""
+    """One token with an adapter on the kernel path: the q/k/v GEMV computes its group's codes in programs beside
+    its own and qkv_rotary_store adds the delta; the norm before gate/up and the attention's merge before o_proj
+    write their codes; down_proj's GEMV writes its own and the next norm adds its delta. So no lora_shrink runs for
+    the layers (4 launches a layer before), with the same hidden states and logits as the shrink launches give
+    (DARK_NORM_CODES=0), as q/k/v's codes from the norm give (DARK_QKV_CODES=norm), and as the q/k/v GEMV adding
+    its delta itself gives (DARK_QKV_LORA_LATE=0). Adapter "a" targets every projection; "b" q, v, down_proj and
+    the LM head (zero factors elsewhere in its slot; the LM head's codes still from a shrink)."""
     from dark.engine.attention import KVCache, PagedDecodeAttention
     from dark.lora.slots import SlotLoRA
 
@@ -981,18 +988,23 @@ def test_batch_of_one_takes_codes_from_the_norms(tiny_llm_with_adapters, monkeyp
     monkeypatch.setenv("DARK_NORM_CODES", "0")
     run()
     monkeypatch.delenv("DARK_NORM_CODES")
-    monkeypatch.setenv("DARK_QKV_LORA_LATE", "0")
-    run()
-    monkeypatch.delenv("DARK_QKV_LORA_LATE")
+    for env in ("DARK_QKV_LORA_LATE", "DARK_QKV_CODES"):
+        monkeypatch.setenv(env, "0" if env == "DARK_QKV_LORA_LATE" else "norm")
+        run()
+        monkeypatch.delenv(env)
     counter = _LaunchCounter(monkeypatch)
     (hidden, counts) = run()
-    # the q/k/v delta added by the GEMV instead of qkv_rotary_store: the same launches and the same values
-    monkeypatch.setenv("DARK_QKV_LORA_LATE", "0")
-    (in_gemv, gemv_counts) = run()
-    monkeypatch.delenv("DARK_QKV_LORA_LATE")
     kernels = lambda c: {k: n for k, n in c.items() if not k.startswith("aten.")}  # noqa: E731 (the interpreter's copies aside)
-    assert kernels(gemv_counts) == kernels(counts)
-    torch.testing.assert_close(hidden, in_gemv, rtol=1e-4, atol=1e-4)
+    # q/k/v's codes from the norm, the delta from qkv_rotary_store; then the delta added by the GEMV itself: the
+    # first layer's input norm writes codes in both (a plain rms_norm launch before), the same values
+    for env, value in (("DARK_QKV_CODES", "norm"), ("DARK_QKV_LORA_LATE", "0")):
+        monkeypatch.setenv(env, value)
+        (other, other_counts) = run()
+        monkeypatch.delenv(env)
+        other_counts = kernels(other_counts)
+        assert other_counts.pop("_norm_codes_kernel") == counts["_norm_codes_kernel"] + 1
+        assert {**other_counts, "_rms_norm_kernel": 1} == {k: n for k, n in kernels(counts).items() if k != "_norm_codes_kernel"}
+        torch.testing.assert_close(hidden, other, rtol=1e-4, atol=1e-4)
     monkeypatch.setenv("DARK_NORM_CODES", "0")
     (shrunk, old_counts) = run()
     layers = cfg.num_layers
@@ -1000,10 +1012,12 @@ def test_batch_of_one_takes_codes_from_the_norms(tiny_llm_with_adapters, monkeyp
     # the slots hold factors for every projection some loaded adapter targets ("a": all), zeros in "b"'s slot where
     # it has none: 4 shrinks a layer before (q/k/v, o, gate/up, down), none now
     assert counts.get("_shrink_kernel", 0) == head and old_counts["_shrink_kernel"] == 4 * layers + head
-    # every norm writes codes (q/k/v's, gate/up's) or adds down_proj's delta (all but the first layer's input norm,
-    # and the final norm)
-    assert counts["_norm_codes_kernel"] == 2 * layers + 1 and "_norm_codes_kernel" not in old_counts
-    assert "_add_rms_norm_kernel" not in counts and sum(counts.values()) == sum(old_counts.values()) - 4 * layers
+    # every norm but the first layer's input norm writes codes (gate/up's) or adds down_proj's delta (every later
+    # input norm, and the final norm)
+    assert counts["_norm_codes_kernel"] == 2 * layers and counts["_rms_norm_kernel"] == 1
+    assert "_norm_codes_kernel" not in old_counts
+    assert "_add_rms_norm_kernel" not in counts
+    assert sum(kernels(counts).values()) == sum(kernels(old_counts).values()) - 4 * layers
     assert "_expand_kernel" not in counts  # the GEMVs add the deltas
     torch.testing.assert_close(hidden, shrunk, rtol=1e-4, atol=1e-4)
     with torch.inference_mode():
@@ -1130,3 +1144,29 @@ def test_adapter_kernel_tilings_agree(monkeypatch):
     out, codes = run()
     torch.testing.assert_close(codes, ref_codes, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
+def test_gemv_codes_out_of_a_fused_group(dtype, tol):
+    """The q/k/v GEMV at batch 1 with codes_out for its group (three members' A rows, max_rank apart): the product
+    is the plain GEMV's, and the partial codes add up to each member's rank rows of A times x (zeros past the
+    rank), what qkv_rotary_store then reads."""
+    from dark.kernels.gemv import codes_parts, gemv
+
+    g = torch.Generator().manual_seed(3)
+    K, N, rank, max_rank, members, slot = 1100, 72, 5, 8, 3, 1
+    A = torch.zeros(2, members * max_rank, K)
+    for m in range(members):
+        A[:, m * max_rank:m * max_rank + rank] = torch.randn(2, rank, K, generator=g) / K ** 0.5
+    A = A.to(DEV, dtype)
+    x = torch.randn(1, K, generator=g).to(DEV, dtype)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(DEV, dtype)
+    bias = torch.randn(N, generator=g).to(DEV, dtype)
+    h = torch.full((1, codes_parts(K), members, 16), float("nan"), device=DEV)
+    spec = {"A": A, "slot": torch.tensor([slot], dtype=torch.int32, device=DEV), "rank": rank, "members": members,
+            "stride": max_rank, "out": h}
+    y = gemv(x, w, bias, codes_out=spec)
+    assert _near_kernel_math(y, gemv(x, w, bias))
+    assert torch.isfinite(h).all() and (h[..., rank:] == 0).all()
+    ref = torch.stack([x[0].float() @ A[slot, m * max_rank:m * max_rank + rank].float().T for m in range(members)])
+    torch.testing.assert_close(h.sum(1)[0, :, :rank], ref, rtol=tol, atol=tol)
