@@ -949,13 +949,13 @@ def test_norm_codes_match_norm_then_shrink(dtype, tol, members, rank, slot, with
 
 @pytest.mark.parametrize("adapter", ["a", "b"])
 def test_batch_of_one_takes_codes_from_the_norms(tiny_llm_with_adapters, monkeypatch, adapter):
-    """One token with an adapter on the kernel path: the q/k/v GEMV computes its group's codes in programs beside
-    its own and qkv_rotary_store adds the delta; the norm before gate/up and the attention's merge before o_proj
-    write their codes; down_proj's GEMV writes its own and the next norm adds its delta. So no lora_shrink runs for
-    the layers (4 launches a layer before), with the same hidden states and logits as the shrink launches give
-    (DARK_NORM_CODES=0), as q/k/v's codes from the norm give (DARK_QKV_CODES=norm), and as the q/k/v GEMV adding
-    its delta itself gives (DARK_QKV_LORA_LATE=0). Adapter "a" targets every projection; "b" q, v, down_proj and
-    the LM head (zero factors elsewhere in its slot; the LM head's codes still from a shrink)."""
+    """One token with an adapter on the kernel path: the norms before q/k/v and gate/up and the attention's merge
+    before o_proj write their codes (qkv_rotary_store adds q/k/v's delta, the GEMVs the others'); down_proj's GEMV
+    writes its own and the next norm adds its delta. So no lora_shrink runs for the layers (4 launches a layer
+    before), with the same hidden states and logits as the shrink launches give (DARK_NORM_CODES=0), as the q/k/v
+    GEMV adding its delta itself gives (DARK_QKV_LORA_LATE=0), and as q/k/v's codes from programs of their GEMV
+    give (DARK_QKV_CODES=gemv). Adapter "a" targets every projection; "b" q, v, down_proj and the LM head (zero
+    factors elsewhere in its slot; the LM head's codes still from a shrink)."""
     from dark.engine.attention import KVCache, PagedDecodeAttention
     from dark.lora.slots import SlotLoRA
 
@@ -989,22 +989,26 @@ def test_batch_of_one_takes_codes_from_the_norms(tiny_llm_with_adapters, monkeyp
     run()
     monkeypatch.delenv("DARK_NORM_CODES")
     for env in ("DARK_QKV_LORA_LATE", "DARK_QKV_CODES"):
-        monkeypatch.setenv(env, "0" if env == "DARK_QKV_LORA_LATE" else "norm")
+        monkeypatch.setenv(env, "0" if env == "DARK_QKV_LORA_LATE" else "gemv")
         run()
         monkeypatch.delenv(env)
     counter = _LaunchCounter(monkeypatch)
     (hidden, counts) = run()
     kernels = lambda c: {k: n for k, n in c.items() if not k.startswith("aten.")}  # noqa: E731 (the interpreter's copies aside)
-    # q/k/v's codes from the norm, the delta from qkv_rotary_store; then the delta added by the GEMV itself: the
-    # first layer's input norm writes codes in both (a plain rms_norm launch before), the same values
-    for env, value in (("DARK_QKV_CODES", "norm"), ("DARK_QKV_LORA_LATE", "0")):
-        monkeypatch.setenv(env, value)
-        (other, other_counts) = run()
-        monkeypatch.delenv(env)
-        other_counts = kernels(other_counts)
-        assert other_counts.pop("_norm_codes_kernel") == counts["_norm_codes_kernel"] + 1
-        assert {**other_counts, "_rms_norm_kernel": 1} == {k: n for k, n in kernels(counts).items() if k != "_norm_codes_kernel"}
-        torch.testing.assert_close(hidden, other, rtol=1e-4, atol=1e-4)
+    # the q/k/v delta added by the GEMV itself: the same launches, the same values
+    monkeypatch.setenv("DARK_QKV_LORA_LATE", "0")
+    (other, other_counts) = run()
+    monkeypatch.delenv("DARK_QKV_LORA_LATE")
+    assert kernels(other_counts) == kernels(counts)
+    torch.testing.assert_close(hidden, other, rtol=1e-4, atol=1e-4)
+    # q/k/v's codes from their GEMV: the first layer's input norm is a plain rms_norm launch, the same values
+    monkeypatch.setenv("DARK_QKV_CODES", "gemv")
+    (other, other_counts) = run()
+    monkeypatch.delenv("DARK_QKV_CODES")
+    other_counts = kernels(other_counts)
+    assert other_counts.pop("_rms_norm_kernel") == 1 and other_counts["_norm_codes_kernel"] == 2 * cfg.num_layers
+    assert {**other_counts, "_norm_codes_kernel": 2 * cfg.num_layers + 1} == kernels(counts)
+    torch.testing.assert_close(hidden, other, rtol=1e-4, atol=1e-4)
     monkeypatch.setenv("DARK_NORM_CODES", "0")
     (shrunk, old_counts) = run()
     layers = cfg.num_layers
@@ -1012,10 +1016,9 @@ def test_batch_of_one_takes_codes_from_the_norms(tiny_llm_with_adapters, monkeyp
     # the slots hold factors for every projection some loaded adapter targets ("a": all), zeros in "b"'s slot where
     # it has none: 4 shrinks a layer before (q/k/v, o, gate/up, down), none now
     assert counts.get("_shrink_kernel", 0) == head and old_counts["_shrink_kernel"] == 4 * layers + head
-    # every norm but the first layer's input norm writes codes (gate/up's) or adds down_proj's delta (every later
-    # input norm, and the final norm)
-    assert counts["_norm_codes_kernel"] == 2 * layers and counts["_rms_norm_kernel"] == 1
-    assert "_norm_codes_kernel" not in old_counts
+    # every norm writes codes (q/k/v's, gate/up's) or adds down_proj's delta (all but the first layer's input norm,
+    # and the final norm)
+    assert counts["_norm_codes_kernel"] == 2 * layers + 1 and "_norm_codes_kernel" not in old_counts
     assert "_add_rms_norm_kernel" not in counts
     assert sum(kernels(counts).values()) == sum(kernels(old_counts).values()) - 4 * layers
     assert "_expand_kernel" not in counts  # the GEMVs add the deltas

@@ -414,7 +414,7 @@ class DecoderLayer(nn.Module):
         # q/k/v's codes from the norm, unless their GEMV computes them itself (SlotLoRA.gemv_codes)
         codes = None
         if not (self.self_attn.late_lora(x, attn) and getattr(lora, "gemv_codes", None) is not None
-                and os.environ.get("DARK_QKV_CODES", "gemv") == "gemv"):
+                and os.environ.get("DARK_QKV_CODES", "norm") == "gemv"):
             codes = _norm_codes(lora, layer, "qkv", x)
         if pending is None:
             h = self.input_layernorm(x, codes)
