@@ -308,9 +308,12 @@ def _norm_codes(x, delta, weight, eps, codes, delta_lora=None):
     else:
         dargs, dconst = (None, None, 0, 0), dict(DL=False, DR=1, DBR=16, DP=1, DSP=1)
     a, slot, h, stride_as, stride_ar = cargs
+    # B's tile in registers only while it is as small as measured (rank 16 at 7B widths: 16 x 4096 values); a
+    # larger rank reads it row by row after the wait rather than spill
+    early = DELTA_EARLY and delta_lora is not None and dconst["DBR"] * triton.next_power_of_2(N) <= 16 * 4096
     _norm_codes_kernel[(1 + programs,)](x2, d2, weight, out, summed, a, slot, h, N, stride_as, stride_ar, *dargs, eps,
                                         BN=triton.next_power_of_2(N), HAS_DELTA=delta is not None, **cconst,
-                                        CPB=CODES_PER_PROGRAM, **dconst, DL_EARLY=DELTA_EARLY and delta_lora is not None,
+                                        CPB=CODES_PER_PROGRAM, **dconst, DL_EARLY=early,
                                         num_warps=DELTA_WARPS if delta_lora is not None else CODES_WARPS,
                                         **pdl(x.device))
     if codes is not None:
