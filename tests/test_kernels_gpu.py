@@ -648,3 +648,64 @@ def test_paged_prefill_step_varlen_flash_matches_reference(dtype):
         assert rel_err(padded.cpu(), ref) < BF16_TOL
     finally:
         attention.VARLEN_ATTENTION = True
+
+
+def test_qkv_delta_in_the_rotary_under_dependent_launch():
+    """A batch of one with an adapter, Qwen2.5-7B shapes: the norm writes q/k/v's codes, their GEMV runs as the
+    base model's and qkv_rotary_store adds the delta, reading the codes before its own wait (the norm is two
+    kernels back); in a CUDA graph under programmatic dependent launch, replayed on new inputs: bit for bit the
+    ordinary launches (the codes read before they were written would not be), and within bf16 rounding of the
+    GEMV that adds the delta itself."""
+    from dark.kernels import dependent_launch
+    from dark.kernels.gemv import gemv
+    from dark.kernels.norm_rope import add_rms_norm
+    from dark.kernels.paged_attention import qkv_rotary_store
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    hidden, nh, nkv, d, r = 3584, 28, 4, 128, 16
+    outs = [nh * d, nkv * d, nkv * d]
+    norm_w = torch.rand(hidden, device="cuda", generator=g).bfloat16() + 0.5
+    w = (torch.randn(sum(outs), hidden, device="cuda", generator=g) * 0.02).bfloat16()
+    bias = (torch.randn(sum(outs), device="cuda", generator=g) * 0.02).bfloat16()
+    A = (torch.randn(2, 3 * r, hidden, device="cuda", generator=g) * 0.02).bfloat16()
+    B = (torch.randn(2, r, sum(outs), device="cuda", generator=g) * 0.05).bfloat16()
+    kc = torch.randn(8, 16, nkv, d, device="cuda", generator=g).bfloat16()
+    vc = torch.randn(8, 16, nkv, d, device="cuda", generator=g).bfloat16()
+    slot = torch.tensor([1], dtype=torch.int32, device="cuda")
+    mapping = torch.tensor([37], device="cuda")
+    ang = torch.rand(1, d // 2, device="cuda", generator=g) * 6
+    cos, sin = torch.cat([ang, ang], -1).cos().bfloat16(), torch.cat([ang, ang], -1).sin().bfloat16()
+
+    def chain(x, pending, late=True):
+        codes = {"A": A, "slot": slot, "rank": r, "members": 3, "stride": r,
+                 "out": torch.empty(1, 1, 3, 16, device="cuda")}
+        h, _ = add_rms_norm(x, pending, norm_w, 1e-6, codes)
+        spec = {"h": codes["out"], "B": B, "slot": slot, "rank": r, "splits": outs}
+        if late:
+            return qkv_rotary_store(gemv(h, w, bias), nh, nkv, d, cos, sin, kc, vc, mapping, lora=spec)
+        return qkv_rotary_store(gemv(h, w, bias, lora=spec), nh, nkv, d, cos, sin, kc, vc, mapping)
+
+    def cache_row():
+        return kc.view(-1, nkv, d)[37].clone(), vc.view(-1, nkv, d)[37].clone()
+
+    inputs = [tuple(torch.randn(1, hidden, device="cuda", generator=g).bfloat16() for _ in range(2)) for _ in range(4)]
+    expected = []
+    for x, p in inputs:
+        expected.append((chain(x, p), *cache_row()))
+        in_gemv = chain(x, p, late=False)
+        assert rel_err(expected[-1][0], in_gemv) < 1e-2
+    x0, p0 = inputs[0][0].clone(), inputs[0][1].clone()
+    graph = torch.cuda.CUDAGraph()
+    with dependent_launch():
+        chain(x0, p0)
+        with torch.cuda.graph(graph):
+            out = chain(x0, p0)
+    for (x, p), (q, k, v) in zip(inputs, expected):
+        x0.copy_(x)
+        p0.copy_(p)
+        graph.replay()
+        torch.cuda.synchronize()
+        got_k, got_v = cache_row()
+        torch.testing.assert_close(out, q, rtol=0, atol=0)
+        torch.testing.assert_close(got_k, k, rtol=0, atol=0)
+        torch.testing.assert_close(got_v, v, rtol=0, atol=0)
