@@ -68,22 +68,18 @@ if triton is not None:
 
     @triton.jit
     def _codes_part(x_ptr, K, ca_ptr, cslot_ptr, cout_ptr, stride_cas, stride_car, j, CR: tl.constexpr,
-                    CBR: tl.constexpr, CHUNK: tl.constexpr, CMEMBERS: tl.constexpr, CSTRIDE: tl.constexpr,
-                    CBT: tl.constexpr, PDL: tl.constexpr):
-        """Program j of the codes programs: one row x's partial codes over K range j, cout[j, m, r] =
-        x[range] . A[slot, m * CSTRIDE + r, range] in fp32 for each of CMEMBERS members (r < CR; 0 up to CBR),
-        A read before the wait."""
-        c = tl.arange(0, CBT)
-        m = c // CBR
-        r = c % CBR
+                    CBR: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+        """Program j of the codes programs: one row x's partial codes over K range j, cout[j, r] =
+        x[range] . A[slot, r, range] in fp32 (r < CR; 0 up to CBR), A read before the wait."""
+        r = tl.arange(0, CBR)
         k = j * CHUNK + tl.arange(0, CHUNK)
         km = k < K
         slot = tl.maximum(tl.load(cslot_ptr).to(tl.int64), 0)
-        a = tl.load(ca_ptr + slot * stride_cas + (m * CSTRIDE + r).to(tl.int64)[:, None] * stride_car + k[None, :],
-                    mask=((m < CMEMBERS) & (r < CR))[:, None] & km[None, :], other=0.0).to(tl.float32)
+        a = tl.load(ca_ptr + slot * stride_cas + r[:, None] * stride_car + k[None, :],
+                    mask=(r < CR)[:, None] & km[None, :], other=0.0).to(tl.float32)
         wait_prior(PDL)
         x = tl.load(x_ptr + k, mask=km, other=0.0).to(tl.float32)
-        tl.store(cout_ptr + j * (CMEMBERS * CBR) + c, tl.sum(a * x[None, :], 1), mask=m < CMEMBERS)
+        tl.store(cout_ptr + j * CBR + r, tl.sum(a * x[None, :], 1))
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
@@ -93,14 +89,13 @@ if triton is not None:
                      FIRST_K: tl.constexpr, GLU: tl.constexpr, LORA: tl.constexpr, R: tl.constexpr,
                      BR: tl.constexpr, MEMBERS: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
                      CODES: tl.constexpr, CR: tl.constexpr, CBR: tl.constexpr, CHUNK: tl.constexpr,
-                     CMEMBERS: tl.constexpr, CSTRIDE: tl.constexpr, CBT: tl.constexpr,
                      PDL: tl.constexpr, DELTA_AFTER: tl.constexpr):
         # CODES (one row): programs from NMAIN on compute an adapter's partial codes of x for a LATER kernel to
         # add the delta (_codes_part), beside the product's programs
         if CODES:
             if tl.program_id(0) >= NMAIN:
                 _codes_part(x_ptr, K, ca_ptr, cslot_ptr, cout_ptr, stride_cas, stride_car,
-                            tl.program_id(0) - NMAIN, CR, CBR, CHUNK, CMEMBERS, CSTRIDE, CBT, PDL)
+                            tl.program_id(0) - NMAIN, CR, CBR, CHUNK, PDL)
             else:
                 _gemv_body(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om, lslot_ptr, lh_ptr,
                            lb_ptr, N1, N2, stride_bs, stride_br, M, HAS_BIAS, BLOCK_N, BLOCK_K, FIRST_K, GLU, LORA,
@@ -234,9 +229,8 @@ def gemv(x, weight, bias=None, block_n: int | None = None, block_k: int | None =
 
     codes_out (M = 1, no lora): an adapter's codes of x, for a later kernel to add the delta (the residual add's
     norm: norm_rope's delta_lora), from programs of this launch beside the product's: {"A": [slots, rows, K],
-    "slot": 1-element device tensor, "rank", "out": [1, codes_parts(K), members, BR] fp32, partial sums over K
-    ranges (lora_shrink's layout), and for a fused group "members" and "stride" (the rows between members' first
-    rank rows of A)}. The output is the product alone.
+    "slot": 1-element device tensor, "rank", "out": [1, codes_parts(K), 1, BR] fp32, partial sums over K ranges
+    (lora_shrink's layout)}. The output is the product alone.
 
     lora (M = 1): an adapter's delta added in the same launch, instead of lora_expand's after it: {"h": the codes
     from lora_shrink [1, splits, members, BR], "B": factors [slots, rows, outputs] as lora_expand takes them,
@@ -262,16 +256,12 @@ def gemv(x, weight, bias=None, block_n: int | None = None, block_k: int | None =
     if codes_out is not None:
         A, h = codes_out["A"], codes_out["out"]
         assert M == 1 and lora is None and A.shape[-1] == K and A.stride(-1) == 1 and h.is_contiguous()
-        members = codes_out.get("members", 1)
-        assert h.shape[1] == codes_parts(K) and h.shape[2] == members
-        assert members == 1 or codes_out["stride"] >= codes_out["rank"]
+        assert h.shape[1] == codes_parts(K) and h.shape[2] == 1
         cargs = (A, codes_out["slot"], h, A.stride(0), A.stride(1), main)
-        cconst = dict(CODES=True, CR=codes_out["rank"], CBR=h.shape[3], CHUNK=CODES_CHUNK, CMEMBERS=members,
-                      CSTRIDE=codes_out.get("stride", 0), CBT=triton.next_power_of_2(members * h.shape[3]))
+        cconst = dict(CODES=True, CR=codes_out["rank"], CBR=h.shape[3], CHUNK=CODES_CHUNK)
         grid = main + h.shape[1]
     else:
-        cargs, grid = (None, None, None, 0, 0, main), main
-        cconst = dict(CODES=False, CR=1, CBR=16, CHUNK=16, CMEMBERS=1, CSTRIDE=0, CBT=16)
+        cargs, cconst, grid = (None, None, None, 0, 0, main), dict(CODES=False, CR=1, CBR=16, CHUNK=16), main
     _gemv_kernel[(grid,)](x, weight, bias if bias is not None else weight, out, N, K, x.stride(0), weight.stride(0),
                           out.stride(0), *lo["args"], *cargs, M=M, HAS_BIAS=bias is not None, BLOCK_N=block_n,
                           BLOCK_K=block_k, FIRST_K=first_k, GLU=glu, **lo["consts"], **cconst, num_warps=num_warps,

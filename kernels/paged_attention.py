@@ -76,10 +76,10 @@ if triton is not None:
         # into the key cache; the rest v's, copied into the value cache. The rotation is the rotary kernel's.
         # LORA (a batch of one): the adapter's delta of the head's columns added to y first (y + delta rounded to
         # y's dtype, as lora_expand leaves the projection's output). The slot and B (the step's input, an adapter's
-        # weights) are read before the wait; so are the codes when they come from the kernel before the
-        # projection's (the norm): under dependent launch this kernel starts only once every program of the
-        # projection has passed its own wait, so the norm is finished and its writes are in L2 (read past L1:
-        # ".cg"). CODES_AFTER (codes from the projection's own codes programs): after the wait, beside y.
+        # weights) are read before the wait, and so are the codes, which come from the kernel before the
+        # projection's (the norm, or lora_shrink): under dependent launch this kernel starts only once every program
+        # of the projection has passed its own wait, so that kernel is finished and its writes are in L2 (read past
+        # L1: ".cg"). CODES_AFTER: the codes read after the wait instead, beside y.
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         d = tl.arange(0, HALF)
@@ -277,7 +277,7 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
 
 
 # with `lora`: the codes read after the wait, beside y (True), or before it (a knob for
-# bench/profile_adapter_step.py's A/B)
+# bench/profile_adapter_step.py's A/B; H200, 7B shapes, batch 1: adapter / base 0.952 after, 0.963 before)
 ROTARY_CODES_AFTER = False
 
 
@@ -290,9 +290,8 @@ def qkv_rotary_store(y, nh, nkv, d, cos, sin, k_cache, v_cache, slot_mapping, lo
 
     lora (T = 1): y lacks its adapter's delta, which is added here first, as dark.kernels.gemv's `lora` would have
     added it in the projection (the same dict: "h" the q/k/v group's codes [1, splits, 3, BR] from the kernel
-    before the projection's, "B" [slots, rows, (nh + 2 * nkv) * d], "slot", "rank", "splits" the members' widths;
-    "codes_from_prior": True when the kernel just before this one wrote the codes, the projection's own codes
-    programs (gemv's codes_out), so that they are read only after the wait)
+    before the projection's, which must not be the kernel just before this one: they are read before its wait;
+    "B" [slots, rows, (nh + 2 * nkv) * d], "slot", "rank", "splits" the members' widths).
     The q/k/v GEMV then runs as the base model's, and each head's program reads only its own columns of B."""
     T = y.shape[0]
     assert y.dim() == 2 and y.shape[1] == (nh + 2 * nkv) * d and y.stride(1) == 1 and d % 2 == 0
@@ -307,8 +306,7 @@ def qkv_rotary_store(y, nh, nkv, d, cos, sin, k_cache, v_cache, slot_mapping, lo
         assert list(lora["splits"]) == [nh * d, nkv * d, nkv * d] and B.stride(2) == 1
         largs = (ls, hc, B, B.stride(0), B.stride(1))
         lconst = dict(LORA=True, R=lora["rank"], BR=hc.shape[3], SPLITS=hc.shape[1],
-                      SP=triton.next_power_of_2(hc.shape[1]),
-                      CODES_AFTER=bool(lora.get("codes_from_prior")) or ROTARY_CODES_AFTER)
+                      SP=triton.next_power_of_2(hc.shape[1]), CODES_AFTER=ROTARY_CODES_AFTER)
     else:
         largs, lconst = (None, None, None, 0, 0), dict(LORA=False, R=1, BR=16, SPLITS=1, SP=1, CODES_AFTER=False)
     if T:

@@ -952,10 +952,9 @@ def test_batch_of_one_takes_codes_from_the_norms(tiny_llm_with_adapters, monkeyp
     """One token with an adapter on the kernel path: the norms before q/k/v and gate/up and the attention's merge
     before o_proj write their codes (qkv_rotary_store adds q/k/v's delta, the GEMVs the others'); down_proj's GEMV
     writes its own and the next norm adds its delta. So no lora_shrink runs for the layers (4 launches a layer
-    before), with the same hidden states and logits as the shrink launches give (DARK_NORM_CODES=0), as the q/k/v
-    GEMV adding its delta itself gives (DARK_QKV_LORA_LATE=0), and as q/k/v's codes from programs of their GEMV
-    give (DARK_QKV_CODES=gemv). Adapter "a" targets every projection; "b" q, v, down_proj and the LM head (zero
-    factors elsewhere in its slot; the LM head's codes still from a shrink)."""
+    before), with the same hidden states and logits as the shrink launches give (DARK_NORM_CODES=0), and as the
+    q/k/v GEMV adding its delta itself gives (DARK_QKV_LORA_LATE=0). Adapter "a" targets every projection; "b" q,
+    v, down_proj and the LM head (zero factors elsewhere in its slot; the LM head's codes still from a shrink)."""
     from dark.engine.attention import KVCache, PagedDecodeAttention
     from dark.lora.slots import SlotLoRA
 
@@ -988,10 +987,9 @@ def test_batch_of_one_takes_codes_from_the_norms(tiny_llm_with_adapters, monkeyp
     monkeypatch.setenv("DARK_NORM_CODES", "0")
     run()
     monkeypatch.delenv("DARK_NORM_CODES")
-    for env in ("DARK_QKV_LORA_LATE", "DARK_QKV_CODES"):
-        monkeypatch.setenv(env, "0" if env == "DARK_QKV_LORA_LATE" else "gemv")
-        run()
-        monkeypatch.delenv(env)
+    monkeypatch.setenv("DARK_QKV_LORA_LATE", "0")
+    run()
+    monkeypatch.delenv("DARK_QKV_LORA_LATE")
     counter = _LaunchCounter(monkeypatch)
     (hidden, counts) = run()
     kernels = lambda c: {k: n for k, n in c.items() if not k.startswith("aten.")}  # noqa: E731 (the interpreter's copies aside)
@@ -1000,14 +998,6 @@ def test_batch_of_one_takes_codes_from_the_norms(tiny_llm_with_adapters, monkeyp
     (other, other_counts) = run()
     monkeypatch.delenv("DARK_QKV_LORA_LATE")
     assert kernels(other_counts) == kernels(counts)
-    torch.testing.assert_close(hidden, other, rtol=1e-4, atol=1e-4)
-    # q/k/v's codes from their GEMV: the first layer's input norm is a plain rms_norm launch, the same values
-    monkeypatch.setenv("DARK_QKV_CODES", "gemv")
-    (other, other_counts) = run()
-    monkeypatch.delenv("DARK_QKV_CODES")
-    other_counts = kernels(other_counts)
-    assert other_counts.pop("_rms_norm_kernel") == 1 and other_counts["_norm_codes_kernel"] == 2 * cfg.num_layers
-    assert {**other_counts, "_norm_codes_kernel": 2 * cfg.num_layers + 1} == kernels(counts)
     torch.testing.assert_close(hidden, other, rtol=1e-4, atol=1e-4)
     monkeypatch.setenv("DARK_NORM_CODES", "0")
     (shrunk, old_counts) = run()
@@ -1148,28 +1138,3 @@ def test_adapter_kernel_tilings_agree(monkeypatch):
     torch.testing.assert_close(codes, ref_codes, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
-
-@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
-def test_gemv_codes_out_of_a_fused_group(dtype, tol):
-    """The q/k/v GEMV at batch 1 with codes_out for its group (three members' A rows, max_rank apart): the product
-    is the plain GEMV's, and the partial codes add up to each member's rank rows of A times x (zeros past the
-    rank), what qkv_rotary_store then reads."""
-    from dark.kernels.gemv import codes_parts, gemv
-
-    g = torch.Generator().manual_seed(3)
-    K, N, rank, max_rank, members, slot = 1100, 72, 5, 8, 3, 1
-    A = torch.zeros(2, members * max_rank, K)
-    for m in range(members):
-        A[:, m * max_rank:m * max_rank + rank] = torch.randn(2, rank, K, generator=g) / K ** 0.5
-    A = A.to(DEV, dtype)
-    x = torch.randn(1, K, generator=g).to(DEV, dtype)
-    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(DEV, dtype)
-    bias = torch.randn(N, generator=g).to(DEV, dtype)
-    h = torch.full((1, codes_parts(K), members, 16), float("nan"), device=DEV)
-    spec = {"A": A, "slot": torch.tensor([slot], dtype=torch.int32, device=DEV), "rank": rank, "members": members,
-            "stride": max_rank, "out": h}
-    y = gemv(x, w, bias, codes_out=spec)
-    assert _near_kernel_math(y, gemv(x, w, bias))
-    assert torch.isfinite(h).all() and (h[..., rank:] == 0).all()
-    ref = torch.stack([x[0].float() @ A[slot, m * max_rank:m * max_rank + rank].float().T for m in range(members)])
-    torch.testing.assert_close(h.sum(1)[0, :, :rank], ref, rtol=tol, atol=tol)

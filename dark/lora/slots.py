@@ -174,24 +174,6 @@ class SlotLoRA:
                           "out": self._code_buffer(kernel_module("gemv").codes_parts(x.shape[1]), 1, A.device)}
         return self._deferred
 
-    def gemv_codes(self, layer: int, key: str, x: torch.Tensor) -> tuple[dict, dict] | None:
-        """A batch of one on the kernel path: the fused group's codes computed by its own GEMV (gemv's codes_out, in
-        programs beside the product's) for the kernel after it to add the delta (qkv_rotary_store's `lora`):
-        (codes_out, lora). Only with DARK_QKV_CODES=gemv: by default the norm before the GEMV writes them
-        (norm_codes), which measured faster (H200, 7B shapes, batch 1: adapter / base 0.963 against 0.915 in one run;
-        the codes programs, 48 rows of A each, end after the product's). None off that path or with no factors."""
-        if not self._early_codes(x) or os.environ.get("DARK_QKV_CODES", "norm") != "gemv":
-            return None
-        entry = self.slots.groups.get((layer, key))
-        if entry is None:
-            return None
-        A, B, outs = entry
-        h = self._code_buffer(kernel_module("gemv").codes_parts(x.shape[1]), len(outs), A.device)
-        codes = {"A": A, "slot": self.kernel_slots, "rank": self.r, "members": len(outs),
-                 "stride": self.slots.max_rank, "out": h}
-        return codes, {"h": h, "B": B, "slot": self.kernel_slots, "rank": self.r, "splits": outs,
-                       "codes_from_prior": True}
-
     def take_deferred(self) -> dict | None:
         """The delta defer_codes left for the next residual add's norm (its delta_lora), once."""
         spec, self._deferred = self._deferred, None

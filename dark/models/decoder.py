@@ -185,13 +185,6 @@ def _defer_codes(lora, layer: int, key: str, x: torch.Tensor) -> dict | None:
     return fn(layer, key, x) if fn is not None else None
 
 
-def _gemv_codes(lora, layer: int, key: str, x: torch.Tensor) -> tuple[dict, dict] | None:
-    """For a batch of one on the kernel path: (codes_out for a fused group's GEMV, the delta's spec for the kernel
-    after it) (SlotLoRA.gemv_codes); None: the codes come from elsewhere, or there is none."""
-    fn = getattr(lora, "gemv_codes", None)
-    return fn(layer, key, x) if fn is not None else None
-
-
 def _take_deferred(lora) -> dict | None:
     """The adapter delta a layer's down_proj left for the next residual add's norm (SlotLoRA.defer_codes)."""
     fn = getattr(lora, "take_deferred", None)
@@ -317,20 +310,13 @@ class SelfAttention(nn.Module):
         t = x.shape[0]
         training = self.fused and torch.is_grad_enabled()  # the Triton kernels' autograd forms
         if self.qkv is not None and _grouped(lora):
-            late, codes_out = False, None
-            if self.late_lora(x, attn):
-                # one token on the decode path: the GEMV runs as the base model's (plus, with gemv_codes, programs
-                # computing the adapter's codes beside it) and qkv_rotary_store, which reads each head's columns
-                # anyway, adds the adapter's delta (a few KB of B a head) before rotating
-                pair = _gemv_codes(lora, self.layer, "qkv", x)
-                if pair is not None:
-                    codes_out, late = pair
-                else:
-                    late = _gemv_lora(lora, self.layer, "qkv", x, True)
+            # one token on the decode path: the GEMV runs as the base model's and qkv_rotary_store, which reads each
+            # head's columns anyway, adds the adapter's delta (a few KB of B a head) before rotating
+            late = self.late_lora(x, attn) and _gemv_lora(lora, self.layer, "qkv", x, True)
             if late is False:
                 y = _project_lora(x, *self.qkv, self.fused, lora, self.layer, "qkv", group=True)
             else:
-                y = kernel_module("gemv").gemv(x, *self.qkv, codes_out=codes_out)
+                y = kernel_module("gemv").gemv(x, *self.qkv)
             if training and self.q_norm is None:
                 # split, rotary and their backward in a few launches, one gradient for y
                 q, k, v = kernel_module("norm_rope").qkv_rotary_train(y, self.nh, self.nkv, self.d, cos, sin)
@@ -411,11 +397,7 @@ class DecoderLayer(nn.Module):
             x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, lora)
             return x + self.mlp(self.post_attention_layernorm(x), lora)
         layer = self.self_attn.layer
-        # q/k/v's codes from the norm, unless their GEMV computes them itself (SlotLoRA.gemv_codes)
-        codes = None
-        if not (self.self_attn.late_lora(x, attn) and getattr(lora, "gemv_codes", None) is not None
-                and os.environ.get("DARK_QKV_CODES", "norm") == "gemv"):
-            codes = _norm_codes(lora, layer, "qkv", x)
+        codes = _norm_codes(lora, layer, "qkv", x)
         if pending is None:
             h = self.input_layernorm(x, codes)
         else:  # the previous MLP's output, with its down_proj's adapter delta if that was left to this norm
