@@ -536,13 +536,25 @@ def test_dependent_launch_chain_in_a_cuda_graph():
         torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
+def _graph_under_dependent_launch(fn, *args):
+    """fn(*args) captured in a CUDA graph under programmatic dependent launch, after one ordinary call of it there
+    (which compiles its kernels): (the graph, the outputs its replays write)."""
+    from dark.kernels import dependent_launch
+
+    graph = torch.cuda.CUDAGraph()
+    with dependent_launch():
+        fn(*args)
+        with torch.cuda.graph(graph):
+            out = fn(*args)
+    return graph, out
+
+
 def test_adapter_codes_chain_under_dependent_launch():
     """A batch of one with an adapter, Qwen2.5-7B shapes: the norms and the attention's merge write the codes that
     the GEMVs after them add, down_proj's GEMV writes its codes and the next norm adds its delta (no lora_shrink),
     in a CUDA graph under programmatic dependent launch, replayed on new
     inputs: bit for bit the ordinary launches, and near the plain-torch math (a kernel reading its input before its
     wait, or the codes before they are written, would not be)."""
-    from dark.kernels import dependent_launch
     from dark.kernels.gemv import codes_parts, gemv
     from dark.kernels.paged_attention import paged_decode
     from dark.kernels.norm_rope import add_rms_norm, rms_norm
@@ -588,11 +600,7 @@ def test_adapter_codes_chain_under_dependent_launch():
                torch.randn(1, H, D, device="cuda", generator=g).bfloat16()) for _ in range(4)]
     expected = [chain(x, q) for x, q in inputs]
     x0, q0 = inputs[0][0].clone(), inputs[0][1].clone()
-    graph = torch.cuda.CUDAGraph()
-    with dependent_launch():
-        chain(x0, q0)
-        with torch.cuda.graph(graph):
-            out = chain(x0, q0)
+    graph, out = _graph_under_dependent_launch(chain, x0, q0)
     for (x, q), ref in zip(inputs, expected):
         x0.copy_(x)
         q0.copy_(q)
@@ -656,7 +664,6 @@ def test_qkv_delta_in_the_rotary_under_dependent_launch():
     kernels back); in a CUDA graph under programmatic dependent launch, replayed on new inputs: bit for bit the
     ordinary launches (the codes read before they were written would not be), and within bf16 rounding of the
     GEMV that adds the delta itself."""
-    from dark.kernels import dependent_launch
     from dark.kernels.gemv import gemv
     from dark.kernels.norm_rope import add_rms_norm
     from dark.kernels.paged_attention import qkv_rotary_store
@@ -695,11 +702,7 @@ def test_qkv_delta_in_the_rotary_under_dependent_launch():
         in_gemv = chain(x, p, late=False)
         assert rel_err(expected[-1][0], in_gemv) < 1e-2
     x0, p0 = inputs[0][0].clone(), inputs[0][1].clone()
-    graph = torch.cuda.CUDAGraph()
-    with dependent_launch():
-        chain(x0, p0)
-        with torch.cuda.graph(graph):
-            out = chain(x0, p0)
+    graph, out = _graph_under_dependent_launch(chain, x0, p0)
     for (x, p), (q, k, v) in zip(inputs, expected):
         x0.copy_(x)
         p0.copy_(p)
