@@ -111,7 +111,7 @@ if triton is not None:
                    M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    FIRST_K: tl.constexpr, GLU: tl.constexpr, LORA: tl.constexpr, R: tl.constexpr,
                    BR: tl.constexpr, MEMBERS: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
-                   PDL: tl.constexpr, DELTA_AFTER: tl.constexpr = False):
+                   PDL: tl.constexpr, DELTA_AFTER: tl.constexpr):
         # GLU: W is [2N, K], gate rows then up rows, and out = silu(x @ gate^T) * (x @ up^T), both products
         # rounded to out's dtype first (what the GEMV then silu_mul give). LORA (a batch of one): the adapter's
         # delta added before that rounding (a GLU's gate and up columns are its columns n and N + n).

@@ -263,7 +263,8 @@ CODES_PER_PROGRAM = 4
 CODES_WARPS = 8
 # with a deferred delta (delta_lora): B's whole tile read before the wait (True), or row by row after it; the warps
 # of such a launch (knobs for bench/profile_adapter_step.py's A/B; H200, 7B shapes, batch 1: the norm that adds
-# down_proj's delta and writes q/k/v's codes moves the step ~3.8 us a layer early, ~2.4 with it)
+# down_proj's delta and writes q/k/v's codes takes ~5.9 us a layer of the step reading B row by row, ~3.8 with
+# the tile read early; 16 warps changed nothing)
 DELTA_EARLY = True
 DELTA_WARPS = 8
 
