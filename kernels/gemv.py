@@ -67,6 +67,20 @@ if triton is not None:
         return tl.sum(b * hm[:, None], 0)
 
     @triton.jit
+    def _tile_deltas(lh_ptr, lb, lb_u, lm, n, N1, N2, BR: tl.constexpr, MEMBERS: tl.constexpr, SPLITS: tl.constexpr,
+                     SP: tl.constexpr, GLU: tl.constexpr):
+        """(delta, delta_u) fp32 [BLOCK_N] of a program's rows, 0 where lm is false (a token with no slot:
+        lora_shrink left its codes unwritten, any bits, NaN too, and 0 * NaN is NaN). GLU: gate's rows are member
+        0's and up's member 1's (B tiles lb, lb_u); else delta_u repeats delta, unused."""
+        if GLU:
+            delta = tl.where(lm, _member_delta(lh_ptr, lb, 0, BR, MEMBERS, SPLITS, SP), 0.0)
+            delta_u = tl.where(lm, _member_delta(lh_ptr, lb_u, 1, BR, MEMBERS, SPLITS, SP), 0.0)
+        else:
+            delta = tl.where(lm, _lora_delta(lh_ptr, lb, n, N1, N2, BR, MEMBERS, SPLITS, SP), 0.0)
+            delta_u = delta
+        return delta, delta_u
+
+    @triton.jit
     def _codes_part(x_ptr, K, ca_ptr, cslot_ptr, cout_ptr, stride_cas, stride_car, j, CR: tl.constexpr,
                     CBR: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
         """Program j of the codes programs: one row x's partial codes over K range j, cout[j, r] =
@@ -136,14 +150,11 @@ if triton is not None:
             lb = _lora_b(lb_ptr, ls, n, lm, stride_bs, stride_br, R, BR)
             if GLU:
                 lb_u = _lora_b(lb_ptr, ls, n + N, lm, stride_bs, stride_br, R, BR)
+            else:
+                lb_u = lb  # unused
         wait_prior(PDL)
         if LORA and not DELTA_AFTER:
-            # a token with no slot: lora_shrink left its codes unwritten (any bits, NaN too), and 0 * NaN is NaN
-            if GLU:  # gate's rows are member 0's, up's member 1's
-                delta = tl.where(lm, _member_delta(lh_ptr, lb, 0, BR, MEMBERS, SPLITS, SP), 0.0)
-                delta_u = tl.where(lm, _member_delta(lh_ptr, lb_u, 1, BR, MEMBERS, SPLITS, SP), 0.0)
-            else:
-                delta = tl.where(lm, _lora_delta(lh_ptr, lb, n, N1, N2, BR, MEMBERS, SPLITS, SP), 0.0)
+            delta, delta_u = _tile_deltas(lh_ptr, lb, lb_u, lm, n, N1, N2, BR, MEMBERS, SPLITS, SP, GLU)
         kk = tl.arange(0, BLOCK_K)
         for m in tl.static_range(M):
             x1 = tl.load(x_ptr + m * stride_xm + k1, mask=k1 < K, other=0.0).to(tl.float32)
@@ -168,11 +179,7 @@ if triton is not None:
                 yu += tl.sum(acc_u, 1)
             if LORA:
                 if DELTA_AFTER:  # the codes read once the product is summed (M is 1 with LORA)
-                    if GLU:
-                        delta = tl.where(lm, _member_delta(lh_ptr, lb, 0, BR, MEMBERS, SPLITS, SP), 0.0)
-                        delta_u = tl.where(lm, _member_delta(lh_ptr, lb_u, 1, BR, MEMBERS, SPLITS, SP), 0.0)
-                    else:
-                        delta = tl.where(lm, _lora_delta(lh_ptr, lb, n, N1, N2, BR, MEMBERS, SPLITS, SP), 0.0)
+                    delta, delta_u = _tile_deltas(lh_ptr, lb, lb_u, lm, n, N1, N2, BR, MEMBERS, SPLITS, SP, GLU)
                 y += delta
                 if GLU:
                     yu += delta_u

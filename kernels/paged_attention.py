@@ -67,6 +67,23 @@ def qkv_rotary_store_reference(y, nh, nkv, d, cos, sin, k_cache, v_cache, slot_m
 if triton is not None:
 
     @triton.jit
+    def _head_deltas(lh_ptr, b1, b2, member, has, R: tl.constexpr, BR: tl.constexpr, SPLITS: tl.constexpr,
+                     SP: tl.constexpr, L2_ONLY: tl.constexpr):
+        """One head's adapter delta, its two halves [HALF] in fp32, from its member's codes (the partial sums of
+        lh [SPLITS, 3, BR] added up) and its B columns b1, b2 [BR, HALF]. A token with no slot (has false): its
+        codes were never written (any bits, NaN too), so none of them is read. L2_ONLY: the codes read past L1."""
+        r = tl.arange(0, BR)
+        sp = tl.arange(0, SP)
+        ptrs = lh_ptr + sp[:, None] * (3 * BR) + member * BR + r[None, :]
+        mask = (sp < SPLITS)[:, None] & ((r < R) & has)[None, :]
+        if L2_ONLY:
+            hs = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+        else:
+            hs = tl.load(ptrs, mask=mask, other=0.0)
+        code = tl.sum(hs, 0)
+        return tl.sum(b1 * code[:, None], 0), tl.sum(b2 * code[:, None], 0)
+
+    @triton.jit
     def _qkv_rotary_store_kernel(y_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr, stride_y, stride_c,
                                  stride_q, lslot_ptr, lh_ptr, lb_ptr, stride_bs, stride_br,
                                  NH: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr, LORA: tl.constexpr,
@@ -89,18 +106,12 @@ if triton is not None:
             ls = tl.load(lslot_ptr).to(tl.int64)
             has = ls >= 0
             r = tl.arange(0, BR)
-            sp = tl.arange(0, SP)
             bcol = lb_ptr + tl.maximum(ls, 0) * stride_bs + r[:, None] * stride_br + h * (2 * HALF) + d[None, :]
             bm = (r < R)[:, None] & has
             b1 = tl.load(bcol, mask=bm, other=0.0).to(tl.float32)
             b2 = tl.load(bcol + HALF, mask=bm, other=0.0).to(tl.float32)
             if not CODES_AFTER:
-                # a token with no slot: its codes were never written (any bits, NaN too), so none of them is read
-                code = tl.sum(tl.load(lh_ptr + sp[:, None] * (3 * BR) + member * BR + r[None, :],
-                                      mask=(sp < SPLITS)[:, None] & ((r < R) & has)[None, :], other=0.0,
-                                      cache_modifier=".cg"), 0)
-                delta1 = tl.sum(b1 * code[:, None], 0)
-                delta2 = tl.sum(b2 * code[:, None], 0)
+                delta1, delta2 = _head_deltas(lh_ptr, b1, b2, member, has, R, BR, SPLITS, SP, True)
         wait_prior(PDL)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         cache = tl.maximum(slot, 0) * (NKV * 2 * HALF) + d  # a cache row of NKV heads, as store_kv's
@@ -109,11 +120,7 @@ if triton is not None:
         y2 = tl.load(src + HALF)
         if LORA:
             if CODES_AFTER:
-                hs = tl.load(lh_ptr + sp[:, None] * (3 * BR) + member * BR + r[None, :],
-                             mask=(sp < SPLITS)[:, None] & ((r < R) & has)[None, :], other=0.0)
-                code = tl.sum(hs, 0)
-                delta1 = tl.sum(b1 * code[:, None], 0)
-                delta2 = tl.sum(b2 * code[:, None], 0)
+                delta1, delta2 = _head_deltas(lh_ptr, b1, b2, member, has, R, BR, SPLITS, SP, False)
             y1 = (y1.to(tl.float32) + delta1).to(y_ptr.dtype.element_ty)
             y2 = (y2.to(tl.float32) + delta2).to(y_ptr.dtype.element_ty)
         if h < NH + NKV:
