@@ -269,17 +269,22 @@ def dark_parts(run: Run, llm) -> None:
         adapters = statistics.fmean([times["mixed"], times["mixed_again"]])
         run.fig("multi_adapter_ratio", round(base / adapters, 3))
         run.report["details"]["multi_adapter_step_ms"] = times
-        if a.beside_ab:  # the same batch with each delta after its GEMM (DARK_LORA_BESIDE=0), graphs captured anew
-            os.environ["DARK_LORA_BESIDE"] = "0"
+        for spec in a.multi_ab:  # the same batch with an environment setting changed, graphs captured anew
+            key, _, value = spec.partition("=")
+            before = os.environ.get(key)
+            os.environ[key] = value
             try:
                 eng.call_between_steps(eng.runner._drop_graphs).result()
                 run_requests(llm, [(p, 4, ad) for p, _, ad in mixed])
                 clock.clear()
                 run_requests(llm, mixed)
-                times["mixed_lora_after_gemm"] = round(decode_step_ms(clock, a.multi_batch), 3)
-                run.fig("multi_adapter_ratio_lora_after_gemm", round(base / times["mixed_lora_after_gemm"], 3))
+                times[f"mixed_{spec}"] = round(decode_step_ms(clock, a.multi_batch), 3)
+                run.fig(f"multi_adapter_ratio_{spec}", round(base / times[f"mixed_{spec}"], 3))
             finally:
-                os.environ.pop("DARK_LORA_BESIDE")
+                if before is None:
+                    os.environ.pop(key)
+                else:
+                    os.environ[key] = before
                 eng.call_between_steps(eng.runner._drop_graphs).result()
         if a.lora_variants and default_fused is not None:
             lora_variant(not default_fused)
@@ -495,8 +500,8 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--profile-train", action="store_true", help="also profile 2 training steps (kernels by GPU time)")
     ap.add_argument("--profile-correction", action="store_true", help="also profile a third correction job")
-    ap.add_argument("--beside-ab", action="store_true",
-                    help="also time 64 sequences over 32 adapters with each LoRA delta after its GEMM, not beside it")
+    ap.add_argument("--multi-ab", nargs="*", default=[], metavar="ENV=VALUE",
+                    help="also time 64 sequences over 32 adapters with each of these environment settings")
     ap.add_argument("--lora-variants", action="store_true",
                     help="also time the adapter lines with the other LoRA decode kernels (fused <-> shrink + expand)")
     sizes = {"repeats": 2, "prompt_len": 128, "bs1_tokens": 128, "adapters": 32, "multi_batch": 64, "multi_tokens": 64,

@@ -30,18 +30,6 @@ GROUPS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_
 MEMBERS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 
 
-_SIDE: dict = {}
-
-
-def _side_stream(device: torch.device, priority: int) -> torch.cuda.Stream:
-    """The second stream of SlotLoRA.beside on this device, at the priority of the stream it works beside (the
-    engine's serving stream is high priority, so the delta is too), made once."""
-    key = (device.index if device.index is not None else torch.cuda.current_device(), priority)
-    if key not in _SIDE:
-        _SIDE[key] = torch.cuda.Stream(device, priority=priority)
-    return _SIDE[key]
-
-
 class AdapterSlots:
     def __init__(self, cfg: ModelConfig, num_slots: int, max_rank: int, device: torch.device, dtype: torch.dtype):
         self.num_slots, self.max_rank = num_slots, max_rank
@@ -214,50 +202,6 @@ class SlotLoRA:
             h = kernel_module("lora").lora_shrink(x, A, self.kernel_slots, self.r, members=len(outs) if outs else 1,
                                                   stride=stride, segments=self.kernel_segments)
         return {"h": h, "B": B, "slot": self.kernel_slots, "rank": self.r, "splits": outs}
-
-    def beside(self, layer: int, key: str, x: torch.Tensor, group: bool = False):
-        """On the kernel path with more than one token, no autograd, on CUDA (DARK_LORA_BESIDE=0: never): start the
-        projection's adapter delta (lora_shrink then lora_expand into a zeroed fp32 buffer) on a second stream,
-        before the caller launches the base GEMM, so the two run side by side; join(pending, y) then adds it to
-        the GEMM's output. Returns None (the delta is added after the GEMM, by apply / apply_group) off that path
-        or with no factors there.
-
-        The second stream waits for this stream's work so far (x is written), and this stream waits for it before
-        the add: inside a CUDA graph capture that makes two branches of the graph, outside it is plain stream
-        order. Buffers made on the second stream are only reused there after the next projection's fork, which
-        comes after the add that reads them."""
-        if (self.kernel_slots is None or x.shape[0] < 2 or not x.is_cuda or torch.is_grad_enabled()
-                or os.environ.get("DARK_LORA_BESIDE", "1") == "0"):
-            return None
-        if group:
-            entry = self.slots.groups.get((layer, key))
-            if entry is None:
-                return None
-            A, B, outs = entry
-            stride = self.slots.max_rank
-        else:
-            A, B = self.slots.A.get((layer, key)), self.slots.B.get((layer, key))
-            outs, stride = None, 0
-            if A is None:
-                return None
-        kernels = kernel_module("lora")
-        main = torch.cuda.current_stream(x.device)
-        side = _side_stream(x.device, main.priority)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            delta = torch.zeros(x.shape[0], B.shape[2], device=x.device, dtype=torch.float32)
-            h = kernels.lora_shrink(x, A, self.kernel_slots, self.r, members=len(outs) if outs else 1, stride=stride,
-                                    segments=self.kernel_segments)
-            kernels.lora_expand(h, B, self.kernel_slots, delta, self.r, splits=outs, segments=self.kernel_segments)
-            done = torch.cuda.Event()
-            done.record(side)
-        return delta, done
-
-    def join(self, pending, y: torch.Tensor) -> torch.Tensor:
-        """y (the GEMM's output) += the delta `beside` computed, once its stream has it (fp32 sum, rounded once)."""
-        delta, done = pending
-        torch.cuda.current_stream(y.device).wait_event(done)
-        return y.add_(delta)
 
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         A = self.slots.A.get((layer, module))

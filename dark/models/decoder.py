@@ -197,13 +197,9 @@ def _project_lora(x, weight, bias, fused: bool, lora, layer: int, key: str, grou
         ep = _gemv_lora(lora, layer, key, x, group)
         if ep is not False:
             return kernel_module("gemv").gemv(x, weight, bias, lora=ep)
-    beside = getattr(lora, "beside", None)
-    pending = beside(layer, key, x, group) if beside is not None else None
     y = _project(x, weight, bias, fused)
     if lora is None:
         return y
-    if pending is not None:  # the delta was computed on a second stream while the GEMM ran: add it
-        return lora.join(pending, y)
     return lora.apply_group(layer, key, x, y) if group else lora.apply(layer, key, x, y)
 
 
