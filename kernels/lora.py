@@ -196,7 +196,7 @@ if triton is not None:
     def _expand_kernel(h_ptr, b_ptr, table_ptr, y_ptr, N, N1, N2, stride_bs, stride_br, stride_yt,
                        R: tl.constexpr, BR: tl.constexpr, MB: tl.constexpr, SPLITS: tl.constexpr,
                        BN: tl.constexpr, TILES: tl.constexpr, MEMBERS: tl.constexpr, BT: tl.constexpr,
-                       SORTED: tl.constexpr, UPCAST: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+                       SORTED: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
         wait_prior(PDL)
         nb = tl.program_id(1)
         s, owns, tok, pm = _block(table_ptr, BT, SORTED)
@@ -206,31 +206,11 @@ if triton is not None:
             r = c % BR
             hp = h_ptr + tok[:, None] * (SPLITS * MEMBERS * BR) + c[None, :]
             hm = pm[:, None] & (c < MEMBERS * BR)[None, :]
-            if EARLY:  # one tile: its B rows and y rows are loaded before the codes, all in flight at once
-                n = nb * BN + tl.arange(0, BN)
-                nm = n < N
-                member = (n >= N1).to(tl.int32) + (n >= N2).to(tl.int32)
-                b = tl.load(b_ptr + s * stride_bs + r[:, None] * stride_br + n[None, :],
-                            mask=(r < R)[:, None] & (m[:, None] == member[None, :]) & nm[None, :], other=0.0)
-                yp = y_ptr + tok[:, None] * stride_yt + n[None, :]
-                ym = pm[:, None] & nm[None, :]
-                y = tl.load(yp, mask=ym, other=0.0).to(tl.float32)
-                h = tl.zeros([BT, MB], tl.float32)
-                for sp in tl.static_range(SPLITS):
-                    h += tl.load(hp + sp * (MEMBERS * BR), mask=hm, other=0.0)
-                if UPCAST or b_ptr.dtype.element_ty == tl.float32:
-                    d = tl.dot(h, b.to(tl.float32), input_precision="ieee")
-                else:
-                    hi = h.to(b_ptr.dtype.element_ty)
-                    lo = (h - hi.to(tl.float32)).to(b_ptr.dtype.element_ty)
-                    d = tl.dot(lo, b, tl.dot(hi, b))
-                tl.store(yp, (y + d).to(y_ptr.dtype.element_ty), mask=ym)
-            else:
-                h = tl.zeros([BT, MB], tl.float32)
-                for sp in tl.static_range(SPLITS):  # unrolled: the partials' loads all in flight at once
-                    h += tl.load(hp + sp * (MEMBERS * BR), mask=hm, other=0.0)
-                _add_expanded(h, b_ptr, y_ptr, s, tok, pm, m, r, nb, N, N1, N2, stride_bs, stride_br, stride_yt,
-                              R, BN, TILES, UPCAST)
+            h = tl.zeros([BT, MB], tl.float32)
+            for sp in tl.static_range(SPLITS):  # unrolled: the partials' loads all in flight at once
+                h += tl.load(hp + sp * (MEMBERS * BR), mask=hm, other=0.0)
+            _add_expanded(h, b_ptr, y_ptr, s, tok, pm, m, r, nb, N, N1, N2, stride_bs, stride_br, stride_yt,
+                          R, BN, TILES, UPCAST)
 
 
     @triton.jit
@@ -261,12 +241,12 @@ def _interpreted() -> bool:
 # program: fewer, longer programs once many blocks share the launch; many short ones for a batch of one
 SHRINK_PROGRAMS = 1024
 EXPAND_PROGRAMS = 2048
-# launch options of the pair, for bench/bench_lora_multi.py's A/B runs: warps a program, the expand's column tile
-# (BN) and whether it takes one tile a program with every load issued before the first is used (EXPAND_EARLY)
+# launch options of the pair, for bench/bench_lora_multi.py's A/B runs: warps a program and the expand's column tile
+# (H200, 64 sequences over 32 adapters: none of 8 warps, tiles of 128 or 512, one tile a program with all its loads
+# issued at once, or 4x / 1/4 the shrink's programs moved the step by more than 0.1 ms; bench/RESULTS.md)
 SHRINK_WARPS = 4
 EXPAND_WARPS = 4
 EXPAND_BLOCK_N = 256
-EXPAND_EARLY = False
 
 
 def _table(token_slots, segments):
@@ -304,13 +284,11 @@ def lora_shrink(x, A, token_slots, rank: int, chunk: int | None = None, block_k:
 
 
 def lora_expand(h, B, token_slots, y, rank: int, block_n: int | None = None, splits=None, segments=None,
-                tiles: int | None = None, early: bool | None = None):
+                tiles: int | None = None):
     """y [T, out] += B[s_t, :rank]^T @ sum(h[t]) for tokens with a slot, each output column with the code of
     its member (splits: the members' out sizes; at most 3); returns y. tiles: column tiles of one program
-    (None: from the number of blocks); early: one tile a program, all its loads issued at once (None:
-    EXPAND_EARLY); block_n None: EXPAND_BLOCK_N."""
+    (None: from the number of blocks); block_n None: EXPAND_BLOCK_N."""
     block_n = EXPAND_BLOCK_N if block_n is None else block_n
-    early = EXPAND_EARLY if early is None else early
     T, N = y.shape
     parts, members, br = h.shape[1], h.shape[2], h.shape[3]
     splits = splits or [N]
@@ -324,12 +302,12 @@ def lora_expand(h, B, token_slots, y, rank: int, block_n: int | None = None, spl
     n_tiles = triton.cdiv(N, block_n)
     if tiles is None:
         tiles = triton.cdiv(n_tiles, max(1, EXPAND_PROGRAMS // rows))
-    tiles = 1 if early else max(1, min(tiles, n_tiles))
+    tiles = max(1, min(tiles, n_tiles))
     _expand_kernel[(rows, triton.cdiv(n_tiles, tiles))](h, B, table, y, N, bounds[0], bounds[1], B.stride(0),
                                                         B.stride(1), y.stride(0), R=rank, BR=br, MB=mb,
                                                         SPLITS=parts, BN=block_n, TILES=tiles, MEMBERS=members,
                                                         BT=BLOCK_T, SORTED=is_sorted, UPCAST=_interpreted(),
-                                                        EARLY=bool(early), num_warps=EXPAND_WARPS, **pdl(y.device))
+                                                        num_warps=EXPAND_WARPS, **pdl(y.device))
     return y
 
 
