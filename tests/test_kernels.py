@@ -507,6 +507,72 @@ def test_qkv_rotary_store_matches_reference(dtype, tol, nh, nkv, d):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_qkv_rotary_store_adds_each_tokens_lora_delta(dtype, tol, splits):
+    """Several decode tokens, each with its own adapter (two sharing one, one with none): qkv_rotary_store adds each
+    token's delta from its own row of lora_shrink's codes and its own slot's B, what lora_shrink + lora_expand and
+    the plain launch give; the token with no adapter (its codes never written: NaN here) gets the base result."""
+    from dark.kernels.lora import lora_expand, lora_shrink
+    from dark.kernels.paged_attention import qkv_rotary_store
+
+    nh, nkv, d, rank, max_rank, slots_n = 4, 2, 16, 5, 8, 3
+    token_slots = [2, -1, 0, 2, 1]
+    T = len(token_slots)
+    g = torch.Generator().manual_seed(splits)
+    y, cos, sin, kc, vc = _qkv_case(T, nh, nkv, d, 3, 4, dtype, seed=12)
+    y = y.contiguous()
+    outs = [nh * d, nkv * d, nkv * d]
+    fan_in = 600 if splits > 1 else 96  # lora_shrink's K-splits: 512-wide, so two or one partial sums
+    A, B, x, _ = _lora_case(torch.tensor(token_slots), fan_in, outs, rank, max_rank, dtype, seed=5, slots_n=slots_n)
+    slots = torch.tensor(token_slots, dtype=torch.int32, device=DEV)
+    h = torch.full((T, 2 if splits > 1 else 1, 3, 16), float("nan"), device=DEV)
+    h.copy_(torch.where(slots.cpu()[:, None, None, None] >= 0,
+                        lora_shrink(x, A, slots, rank, members=3, stride=max_rank).cpu(), float("nan")))
+    mapping = torch.tensor([6, 1, 9, 3, -1], device=DEV)
+    ep = {"h": h, "B": B, "slot": slots, "rank": rank, "splits": outs}
+    k0, v0 = kc.clone(), vc.clone()
+    q = qkv_rotary_store(y, nh, nkv, d, cos, sin, kc, vc, mapping, lora=ep)
+    with_delta = lora_expand(h, B, slots, y.clone(), rank, splits=outs)
+    q_two = qkv_rotary_store(with_delta, nh, nkv, d, cos, sin, k0, v0, mapping)
+    assert rel_err(q, q_two) < tol / 4 and rel_err(kc, k0) < tol / 4 and rel_err(vc, v0) < tol / 4
+    assert torch.equal(q[1], qkv_rotary_store(y, nh, nkv, d, cos, sin, kc.clone(), vc.clone(), mapping)[1])
+    base_q = qkv_rotary_store(y, nh, nkv, d, cos, sin, kc.clone(), vc.clone(), mapping)
+    for t in (0, 2, 3, 4):  # every token with an adapter is changed by it
+        assert rel_err(q[t].cpu(), base_q[t].cpu()) > 10 * tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("size,fan_in", [(300, 96), (64, 1100)])
+def test_silu_mul_adds_each_tokens_lora_delta(dtype, tol, size, fan_in, monkeypatch):
+    """gate/up of several tokens without their adapters' deltas: silu_mul with `lora` adds each token's delta
+    (its own codes, summed over lora_shrink's K-splits, and its own slot's B columns of gate and of up) before the
+    activation, what lora_expand then silu_mul give; 300 columns in blocks of 128 (the last masked), a token with
+    no adapter left as plain silu_mul leaves it; in place over the gate half as the decoder calls it."""
+    from dark.kernels import norm_rope
+    from dark.kernels.lora import lora_expand, lora_shrink, lora_reference
+
+    monkeypatch.setattr(norm_rope, "LORA_BLOCK", 128)
+    token_slots = torch.tensor([1, 3, -1, 1, 0, 3])
+    rank, max_rank = 6, 8
+    A, B, x, y = _lora_case(token_slots, fan_in, [size, size], rank, max_rank, dtype, seed=size)
+    slots = token_slots.to(DEV, torch.int32)
+    h = lora_shrink(x, A, slots, rank, members=2, stride=max_rank)
+    ep = {"h": h, "B": B, "slot": slots, "rank": rank, "splits": [size, size]}
+    y = (y * 2).contiguous()
+    gu = y.clone()
+    out = norm_rope.silu_mul(gu, size, inplace=True, lora=ep)
+    assert out.data_ptr() == gu.data_ptr() and out.shape == (6, size)
+    two = norm_rope.silu_mul(lora_expand(h, B, slots, y.clone(), rank, splits=[size, size]), size)
+    assert rel_err(out.cpu(), two.cpu()) < tol / 4
+    ref = norm_rope.silu_mul_reference(lora_reference(x.cpu(), y.cpu(), A.cpu(), B.cpu(), token_slots, rank,
+                                                      splits=[size, size], stride=max_rank), size)
+    assert rel_err(out.cpu(), ref) < tol
+    plain = norm_rope.silu_mul(y, size)
+    assert torch.equal(out[2].cpu(), plain[2].cpu())  # no adapter: as plain silu_mul
+    assert rel_err(out[0].cpu(), plain[0].cpu()) > 10 * tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("slot,splits", [(2, 1), (0, 3), (-1, 1)])
 def test_qkv_rotary_store_adds_the_lora_delta(dtype, tol, slot, splits):
     """A batch of one whose q/k/v GEMV ran without its adapter: qkv_rotary_store adds each head's delta from the
@@ -1020,6 +1086,68 @@ def test_batch_of_one_takes_codes_from_the_norms(tiny_llm_with_adapters, monkeyp
     manager.release(slot)
     model.use_fused_kernels(llm.engine.runner.fast_decode)  # as the engine had it
     assert (hidden - base).abs().max() > 1e-3, "the adapter changed nothing"
+
+
+def test_decode_batch_adds_qkv_and_gate_up_deltas_in_their_readers(tiny_llm_with_adapters, monkeypatch):
+    """Three decode tokens (adapters "a", none, "b") on the kernel path: q/k/v's and gate/up's adapter deltas are
+    added by qkv_rotary_store and silu_mul, from codes lora_shrink makes before each GEMM, so those two groups need
+    no lora_expand launch (two a layer fewer), with the hidden states and logits of the expand launches
+    (DARK_LORA_LATE=0), and of the plain torch path."""
+    from dark.engine.attention import KVCache, PagedDecodeAttention
+    from dark.lora.slots import SlotLoRA
+
+    llm = tiny_llm_with_adapters
+    model, slots = llm.model, llm.engine.adapters.slots
+    cfg = model.config
+    manager = llm.engine.adapters
+    ids = [manager.acquire(manager.resolve("a")), -1, manager.acquire(manager.resolve("b"))]
+    g = torch.Generator().manual_seed(1)
+    cache = KVCache(cfg.num_layers, 8, 8, cfg.num_kv_heads, cfg.head_dim, torch.float32, DEV)
+    cache.data.copy_(torch.randn(cache.data.shape, generator=g))
+    tables = torch.tensor([[1, 2], [3, 4], [5, 6]], dtype=torch.int32, device=DEV)
+    counter = None
+
+    def run(fast=True, adapters=True):
+        start = cache.data.clone()
+        model.use_fused_kernels(fast)
+        with torch.inference_mode():
+            token_slots = torch.tensor(ids, dtype=torch.int32, device=DEV)
+            lora = SlotLoRA.with_kernels(slots, token_slots) if fast else \
+                SlotLoRA(slots, sorted(i for i in ids if i >= 0), token_slots.long())
+            lora = lora if adapters else None
+            attn = PagedDecodeAttention(cache, torch.tensor([12, 29, 45], device=DEV), tables,
+                                        torch.tensor([13, 14, 6], device=DEV))
+            fn = lambda: model.logits(model.hidden_states(torch.tensor([5, 9, 2], device=DEV),  # noqa: E731
+                                                          torch.tensor([12, 13, 5], device=DEV), attn, lora), lora)
+            out = counter.count(fn) if counter is not None else (fn(), None)
+        cache.data.copy_(start)
+        return out
+
+    try:
+        run()  # compiled before the counter wraps the kernels
+        monkeypatch.setenv("DARK_LORA_LATE", "0")
+        run()
+        monkeypatch.delenv("DARK_LORA_LATE")
+        plain, _ = run(fast=False)
+        base, _ = run(adapters=False)
+        counter = _LaunchCounter(monkeypatch)
+        late, counts = run()
+        monkeypatch.setenv("DARK_LORA_LATE", "0")
+        expand, old_counts = run()
+        monkeypatch.delenv("DARK_LORA_LATE")
+    finally:
+        for i in ids:
+            if i >= 0:
+                manager.release(i)
+        model.use_fused_kernels(llm.engine.runner.fast_decode)  # as the engine had it
+    layers = cfg.num_layers
+    assert old_counts["_expand_kernel"] - counts["_expand_kernel"] == 2 * layers
+    assert counts["_shrink_kernel"] == old_counts["_shrink_kernel"]
+    assert counts["_silu_mul_lora_kernel"] == layers and "_silu_mul_kernel" not in counts
+    torch.testing.assert_close(late, expand, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(late, plain, rtol=1e-4, atol=1e-4)
+    changed = (late - base).abs().amax(-1)
+    assert changed[0] > 1e-3 and changed[2] > 1e-3 and changed[1] < 1e-4  # "a" and "b" change their tokens only
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
