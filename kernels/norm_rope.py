@@ -209,38 +209,6 @@ if triton is not None:
         tl.store(out_ptr + row * stride_o + col, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _silu_mul_lora_kernel(gu_ptr, out_ptr, size, stride_gu, stride_o, slot_ptr, h_ptr, b_ptr, stride_bs,
-                              stride_br, R: tl.constexpr, BR: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
-                              BLOCK: tl.constexpr, PDL: tl.constexpr):
-        """_silu_mul_kernel on gate and up with each token's adapter delta added first: row t's gate and up blocks
-        get codes @ B[slot_t] of their columns (codes: the sum of h[t]'s SPLITS partials, member 0 gate's, 1 up's),
-        each rounded to gate_up's dtype, as lora_expand leaves the projection's output. The slot and B (the step's
-        input, an adapter's weights) are read before the wait; the codes after it. The grid runs the rows fastest,
-        so the rows of one adapter read its B columns from L2 after the first."""
-        row = tl.program_id(0).to(tl.int64)
-        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        m = col < size
-        s = tl.load(slot_ptr + row).to(tl.int64)
-        has = s >= 0  # a token with no adapter: nothing added (its codes were never written: not read)
-        r = tl.arange(0, BR)
-        bm = ((r < R)[:, None] & m[None, :]) & has
-        bp = b_ptr + tl.maximum(s, 0) * stride_bs + r[:, None] * stride_br + col[None, :]
-        bg = tl.load(bp, mask=bm, other=0.0).to(tl.float32)
-        bu = tl.load(bp + size, mask=bm, other=0.0).to(tl.float32)
-        wait_prior(PDL)
-        src = gu_ptr + row * stride_gu + col
-        g = tl.load(src, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(src + size, mask=m, other=0.0).to(tl.float32)
-        sp = tl.arange(0, SP)
-        hp = h_ptr + row * (SPLITS * 2 * BR) + sp[:, None] * (2 * BR) + r[None, :]
-        hm = (sp < SPLITS)[:, None] & ((r < R) & has)[None, :]
-        code_g = tl.sum(tl.load(hp, mask=hm, other=0.0), 0)
-        code_u = tl.sum(tl.load(hp + BR, mask=hm, other=0.0), 0)
-        g = (g + tl.sum(bg * code_g[:, None], 0)).to(gu_ptr.dtype.element_ty).to(tl.float32)
-        u = (u + tl.sum(bu * code_u[:, None], 0)).to(gu_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + col, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=m)
-
-    @triton.jit
     def _silu_mul_bwd_kernel(gu_ptr, dy_ptr, dgu_ptr, size, stride_gu, stride_dy, stride_dgu, BLOCK: tl.constexpr):
         # y = g * s * u with s = sigmoid(g): dgate = dy * u * s * (1 + g * (1 - s)), dup = dy * g * s
         row, col, m, g, u = _gate_up_block(gu_ptr, size, stride_gu, BLOCK)
@@ -372,21 +340,12 @@ def rotary(x, cos, sin):
     return _rotary_into(x, cos, sin, torch.empty(x.shape, device=x.device, dtype=x.dtype), 1.0)
 
 
-# columns of gate (and of up) one program of silu_mul takes with `lora` (B's [16, BLOCK] tiles of both in registers)
-LORA_BLOCK = 256
-
-
-def silu_mul(gate_up, size, block=1024, inplace: bool = False, lora: dict | None = None):
+def silu_mul(gate_up, size, block=1024, inplace: bool = False):
     """gate_up [..., 2 * size] (gate, then up) -> silu(gate) * up [..., size], in fp32 then cast to its dtype.
 
     inplace (a 2-D gate_up with its rows contiguous, that nothing reads again): the result is written over the
     gate half and returned as a view of it (row stride 2 * size), so a large batch holds [T, 2 * size], not that
-    and [T, size] beside it: each program reads its gate and up block before it writes that gate block.
-
-    lora (a 2-D gate_up): gate_up lacks each token's adapter delta, which is added here first, as lora_expand
-    would have added it after the projection: {"h": the gate/up group's codes [T, splits, 2, BR] (lora_shrink's,
-    made before the projection), "B" [slots, rows, 2 * size], "slot" [T] (-1: none), "rank", "splits" [size,
-    size]}: the lora_expand launch between the projection and this one is not needed."""
+    and [T, size] beside it: each program reads its gate and up block before it writes that gate block."""
     shape = gate_up.shape
     assert shape[-1] == 2 * size
     gu = _rows(gate_up)
@@ -394,17 +353,6 @@ def silu_mul(gate_up, size, block=1024, inplace: bool = False, lora: dict | None
         out = gu[:, :size]
     else:
         out = torch.empty(gu.shape[0], size, device=gate_up.device, dtype=gate_up.dtype)
-    if lora is not None:
-        hc, B, slot = lora["h"], lora["B"], lora["slot"]
-        T = gu.shape[0]
-        assert gate_up.dim() == 2 and list(lora["splits"]) == [size, size] and B.shape[2] == 2 * size
-        assert B.stride(2) == 1 and hc.is_contiguous() and hc.shape[0] == T and hc.shape[2] == 2 and slot.numel() == T
-        if T:
-            _silu_mul_lora_kernel[(T, triton.cdiv(size, LORA_BLOCK))](
-                gu, out, size, gu.stride(0), out.stride(0), slot, hc, B, B.stride(0), B.stride(1), R=lora["rank"],
-                BR=hc.shape[3], SPLITS=hc.shape[1], SP=triton.next_power_of_2(hc.shape[1]), BLOCK=LORA_BLOCK,
-                **pdl(gu.device))
-        return out
     _silu_mul_kernel[(gu.shape[0], triton.cdiv(size, block))](gu, out, size, gu.stride(0), out.stride(0),
                                                               BLOCK=block, **pdl(gu.device))
     return out if out.dim() == len(shape) else out.view(*shape[:-1], size)

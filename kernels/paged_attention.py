@@ -103,8 +103,7 @@ if triton is not None:
         src = y_ptr + t * stride_y + h * (2 * HALF) + d
         if LORA:
             member = (h >= NH).to(tl.int32) + (h >= NH + NKV).to(tl.int32)
-            ls = tl.load(lslot_ptr + t).to(tl.int64)
-            lh_ptr += t * (SPLITS * 3 * BR)
+            ls = tl.load(lslot_ptr).to(tl.int64)
             has = ls >= 0
             r = tl.arange(0, BR)
             bcol = lb_ptr + tl.maximum(ls, 0) * stride_bs + r[:, None] * stride_br + h * (2 * HALF) + d[None, :]
@@ -296,13 +295,11 @@ def qkv_rotary_store(y, nh, nkv, d, cos, sin, k_cache, v_cache, slot_mapping, lo
     write, by the same arithmetic. cos, sin [T, d] with their halves repeated, as dark.models.decoder.Rotary makes
     them. One program per (token, head): 36 for a Qwen2.5-7B token, so a batch of one spreads over the SMs.
 
-    lora: y lacks each token's adapter delta, which is added here first, as dark.kernels.gemv's `lora` (one
-    token) or lora_expand (more) would have added it after the projection (the same dict: "h" the q/k/v group's
-    codes [T, splits, 3, BR] from the kernel before the projection's, which must not be the kernel just before
-    this one: they are read before its wait; "B" [slots, rows, (nh + 2 * nkv) * d], "slot" [T] (-1: none),
-    "rank", "splits" the members' widths). The q/k/v projection then runs as the base model's, and each head's
-    program reads only its own columns of B (the programs of one head run side by side: the tokens of one adapter
-    read them from L2 after the first)."""
+    lora (T = 1): y lacks its adapter's delta, which is added here first, as dark.kernels.gemv's `lora` would have
+    added it in the projection (the same dict: "h" the q/k/v group's codes [1, splits, 3, BR] from the kernel
+    before the projection's, which must not be the kernel just before this one: they are read before its wait;
+    "B" [slots, rows, (nh + 2 * nkv) * d], "slot", "rank", "splits" the members' widths).
+    The q/k/v GEMV then runs as the base model's, and each head's program reads only its own columns of B."""
     T = y.shape[0]
     assert y.dim() == 2 and y.shape[1] == (nh + 2 * nkv) * d and y.stride(1) == 1 and d % 2 == 0
     assert k_cache.shape[2:] == (nkv, d) and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -312,7 +309,7 @@ def qkv_rotary_store(y, nh, nkv, d, cos, sin, k_cache, v_cache, slot_mapping, lo
     q = torch.empty(T, nh, d, device=y.device, dtype=y.dtype)
     if lora is not None:
         hc, B, ls = lora["h"], lora["B"], lora["slot"]
-        assert ls.numel() == T and hc.is_contiguous() and hc.shape[0] == T and hc.shape[2] == 3
+        assert T == 1 and ls.numel() == 1 and hc.is_contiguous() and hc.shape[0] == 1 and hc.shape[2] == 3
         assert list(lora["splits"]) == [nh * d, nkv * d, nkv * d] and B.stride(2) == 1
         largs = (ls, hc, B, B.stride(0), B.stride(1))
         lconst = dict(LORA=True, R=lora["rank"], BR=hc.shape[3], SPLITS=hc.shape[1],

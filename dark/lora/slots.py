@@ -203,23 +203,6 @@ class SlotLoRA:
                                                   stride=stride, segments=self.kernel_segments)
         return {"h": h, "B": B, "slot": self.kernel_slots, "rank": self.r, "splits": outs}
 
-    def late_codes(self, layer: int, group: str, x: torch.Tensor):
-        """More than one token on the kernel path, no autograd: the fused group's codes from lora_shrink, launched
-        now (before the group's GEMM), and what the kernel that reads the GEMM's output needs to add each token's
-        delta itself (kernels.paged_attention.qkv_rotary_store's and kernels.norm_rope.silu_mul's `lora`), in place
-        of a lora_expand launch after the GEMM. None when no adapter has factors there; False off that path (a
-        batch of one takes gemv_lora; DARK_LORA_LATE=0: never)."""
-        if (self.kernel_slots is None or x.shape[0] < 2 or torch.is_grad_enabled()
-                or os.environ.get("DARK_LORA_LATE", "1") == "0"):
-            return False
-        entry = self.slots.groups.get((layer, group))
-        if entry is None:
-            return None
-        A, B, outs = entry
-        h = kernel_module("lora").lora_shrink(x, A, self.kernel_slots, self.r, members=len(outs),
-                                              stride=self.slots.max_rank, segments=self.kernel_segments)
-        return {"h": h, "B": B, "slot": self.kernel_slots, "rank": self.r, "splits": outs}
-
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         A = self.slots.A.get((layer, module))
         if A is None:

@@ -168,18 +168,6 @@ def _gemv_lora(lora, layer: int, key: str, x: torch.Tensor, group: bool = False)
     return fn(layer, key, x, group)
 
 
-def _late_codes(lora, layer: int, group: str, x: torch.Tensor):
-    """For a fused group ("qkv", "gate_up") whose output is read by a kernel that can add the adapter's delta
-    itself: what that kernel needs (one token: SlotLoRA.gemv_lora; more: SlotLoRA.late_codes, codes made before
-    the GEMM); None with nothing to add, False when the delta must be added after the projection."""
-    if lora is None:
-        return None
-    if x.shape[0] == 1:
-        return _gemv_lora(lora, layer, group, x, True) if _gemv_applies(x, True) else False
-    fn = getattr(lora, "late_codes", None)
-    return fn(layer, group, x) if fn is not None else False
-
-
 def _norm_codes(lora, layer: int, key: str, x: torch.Tensor, parts: int = 1) -> dict | None:
     """For a batch of one on the kernel path: where the kernel before a projection writes the adapter's codes for
     it (SlotLoRA.norm_codes): the norm before a fused group ("qkv", "gate_up"), the attention's merge before
@@ -311,24 +299,24 @@ class SelfAttention(nn.Module):
         self.qkv = None      # (weight, bias) of q, k and v in one, once CausalLM.fuse_projections ran
 
     def late_lora(self, x: torch.Tensor, attn: Attention) -> bool:
-        """Whether q/k/v's adapter delta may be added by the decode attention's qkv_rotary_store rather than by the
-        projection (the kernel path, an attention with attend_fused_qkv, no q/k norm: _late_codes says whether it
-        is); DARK_QKV_LORA_LATE=0: never."""
+        """Whether q/k/v's adapter delta is added by the decode attention's qkv_rotary_store rather than by the
+        projection (one token on the kernel path, an attention with attend_fused_qkv, no q/k norm);
+        DARK_QKV_LORA_LATE=0: never."""
         return (self.qkv is not None and self.fused and not torch.is_grad_enabled() and self.q_norm is None
-                and hasattr(attn, "attend_fused_qkv") and x.dim() == 2
+                and hasattr(attn, "attend_fused_qkv") and _gemv_applies(x, self.fused)
                 and os.environ.get("DARK_QKV_LORA_LATE", "1") != "0")
 
     def forward(self, x, cos, sin, attn: Attention, lora: LoRA | None):
         t = x.shape[0]
         training = self.fused and torch.is_grad_enabled()  # the Triton kernels' autograd forms
         if self.qkv is not None and _grouped(lora):
-            # the decode path: the projection runs as the base model's and qkv_rotary_store, which reads each head's
-            # columns anyway, adds each token's adapter delta (a few KB of B a head) before rotating
-            late = self.late_lora(x, attn) and _late_codes(lora, self.layer, "qkv", x)
+            # one token on the decode path: the GEMV runs as the base model's and qkv_rotary_store, which reads each
+            # head's columns anyway, adds the adapter's delta (a few KB of B a head) before rotating
+            late = self.late_lora(x, attn) and _gemv_lora(lora, self.layer, "qkv", x, True)
             if late is False:
                 y = _project_lora(x, *self.qkv, self.fused, lora, self.layer, "qkv", group=True)
             else:
-                y = _project(x, *self.qkv, self.fused)
+                y = kernel_module("gemv").gemv(x, *self.qkv)
             if training and self.q_norm is None:
                 # split, rotary and their backward in a few launches, one gradient for y
                 q, k, v = kernel_module("norm_rope").qkv_rotary_train(y, self.nh, self.nkv, self.d, cos, sin)
@@ -379,18 +367,13 @@ class MLP(nn.Module):
                     if spec is not None:
                         return kernel_module("gemv").gemv(act, self.down_proj.weight, self.down_proj.bias, codes_out=spec)
                     return self.down_proj(act, lora)
-            late = (self.fused and not torch.is_grad_enabled() and x.dim() == 2 and x.shape[0] > 1
-                    and _late_codes(lora, self.layer, "gate_up", x))
-            if late is False:
-                y = _project_lora(x, *self.gate_up, self.fused, lora, self.layer, "gate_up", group=True)
-            else:  # the base projection; silu_mul adds each token's adapter delta (late: None, there is none)
-                y = _project(x, *self.gate_up, self.fused)
+            y = _project_lora(x, *self.gate_up, self.fused, lora, self.layer, "gate_up", group=True)
             if self.fused:  # silu(gate) * up in one launch (and one for its backward)
                 kernels = kernel_module("norm_rope")
                 if torch.is_grad_enabled():  # y is this call's own: its backward's gradient may overwrite it
                     act = kernels.silu_mul_train(y, self.size, reuse_input=True)
                 else:  # over the gate half of y: a prefill step of 8k tokens holds ~0.3 GB less at 7B
-                    act = kernels.silu_mul(y, self.size, inplace=True, lora=late or None)
+                    act = kernels.silu_mul(y, self.size, inplace=True)
                 return self.down_proj(act, lora)
             gate, up = y.split(self.size, -1)
         else:
