@@ -30,6 +30,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_decode import replay_ms  # noqa: E402
 
 # (group, fan-in, member outs): the engine's fused groups (dark.lora.slots.GROUPS) and the lone projections
 PROJECTIONS = [("qkv", 3584, [3584, 512, 512]), ("o", 3584, [3584]), ("gate_up", 3584, [18944, 18944]),
@@ -118,17 +121,6 @@ def capture(step, dev):
             step()
     torch.cuda.synchronize(dev)
     return graph
-
-
-def replay_ms(graph, reps: int) -> float:
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def kernel_sums(graph, reps: int = 5) -> list[dict]:
