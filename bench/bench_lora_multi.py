@@ -11,7 +11,7 @@ step is, and the graph is replayed back to back (CUDA events). Modes:
 - `side_delta`: shrink and expand on the second stream into a zeroed delta buffer, beside the GEMM; then y += delta
   (`side_delta_no_add`: without that add, the bound for a consumer kernel that adds the delta as it reads y).
 
-`--variants NAME=module.ATTR=V,...` sets knobs of dark.kernels.<module> (e.g. `lora.EXPAND_EARLY=True`) for
+`--variants NAME=module.ATTR=V,...` sets knobs of dark.kernels.<module> (e.g. `lora.EXPAND_WARPS=8`) for
 another set of graphs in the same process. Each mode's kernels are also summed by name under the profiler.
 
     PYTHONPATH=$PWD python bench/bench_lora_multi.py --out /tmp/lora_multi.json
@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_decode import replay_ms  # noqa: E402
+from profile_adapter_step import kernels_of  # noqa: E402
 
 # (group, fan-in, member outs): the engine's fused groups (dark.lora.slots.GROUPS) and the lone projections
 PROJECTIONS = [("qkv", 3584, [3584, 512, 512]), ("o", 3584, [3584]), ("gate_up", 3584, [18944, 18944]),
@@ -66,6 +67,16 @@ def weight_bytes(layers: int) -> int:
     return layers * sum(k * sum(outs) * 2 for _, k, outs in PROJECTIONS)
 
 
+def beside(side, fn):
+    """fn() on the stream `side`, after this stream's work so far: (its result, an event recorded after it)."""
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = fn()
+        done = torch.cuda.Event()
+        done.record()
+    return out, done
+
+
 def step_fn(mode: str, lay, xs, ys, token_slots, slots: int, rank: int, lk, side):
     def step():
         seg = lk.lora_segments(token_slots, slots)
@@ -77,27 +88,18 @@ def step_fn(mode: str, lay, xs, ys, token_slots, slots: int, rank: int, lk, side
                     torch.matmul(x, W.t(), out=y)
                 if mode in ("lora", "serial"):
                     lk.lora_apply(x, y, A, B, token_slots, rank, segments=seg, fused=False, **kw)
-                elif mode == "side":
-                    fork = torch.cuda.Event()
-                    fork.record()
-                    side.wait_event(fork)
-                    with torch.cuda.stream(side):
-                        h = lk.lora_shrink(x, A, token_slots, rank, members=len(outs), stride=rank, segments=seg)
-                        done = torch.cuda.Event()
-                        done.record()
+                elif mode == "side":  # the shrink beside the GEMM, the expand after both
+                    h, done = beside(side, lambda: lk.lora_shrink(x, A, token_slots, rank, members=len(outs),
+                                                                  stride=rank, segments=seg))
                     torch.matmul(x, W.t(), out=y)
                     torch.cuda.current_stream().wait_event(done)
                     lk.lora_expand(h, B, token_slots, y, rank, splits=kw["splits"], segments=seg)
-                elif mode in ("side_delta", "side_delta_no_add"):
-                    fork = torch.cuda.Event()
-                    fork.record()
-                    side.wait_event(fork)
-                    with torch.cuda.stream(side):
+                elif mode in ("side_delta", "side_delta_no_add"):  # the pair beside it, into a delta buffer
+                    def pair():
                         d = torch.zeros_like(y)
                         h = lk.lora_shrink(x, A, token_slots, rank, members=len(outs), stride=rank, segments=seg)
-                        lk.lora_expand(h, B, token_slots, d, rank, splits=kw["splits"], segments=seg)
-                        done = torch.cuda.Event()
-                        done.record()
+                        return lk.lora_expand(h, B, token_slots, d, rank, splits=kw["splits"], segments=seg)
+                    d, done = beside(side, pair)
                     torch.matmul(x, W.t(), out=y)
                     torch.cuda.current_stream().wait_event(done)
                     if mode == "side_delta":
@@ -131,17 +133,16 @@ def kernel_sums(graph, reps: int = 5) -> list[dict]:
         for _ in range(reps):
             graph.replay()
         torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        trace = json.loads(Path(f.name).read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        kernels = kernels_of(path)
     own = collections.defaultdict(float)
     count = collections.Counter()
-    for e in trace.get("traceEvents", []):
-        if e.get("cat") == "kernel" and "dur" in e:
-            grid = "x".join(str(v) for v in e.get("args", {}).get("grid", []))
-            label = f"{e['name'][:48]} [{grid}]"
-            own[label] += float(e["dur"]) / reps
-            count[label] += 1
+    for k in kernels:
+        label = f"{k['name'][:48]} [{k['grid']}]"
+        own[label] += k["dur"] / reps
+        count[label] += 1
     return [{"label": k, "a_step": count[k] / reps, "own_us": round(v, 1)} for k, v in sorted(own.items(), key=lambda kv: -kv[1])][:24]
 
 
