@@ -191,3 +191,44 @@ def test_decode_steps_launched_ahead_give_the_same_tokens(tiny_models):
                    enable_prefix_caching=False) as llm:
         assert llm.engine.runner.use_graphs and llm.engine.runner.lookahead == "graphs"
         check_decode_ahead(llm, "graphs")
+
+
+def test_split_gives_two_disjoint_partitions_that_compute():
+    """dark.engine.green.split: the two partitions' SMs add up to the device's (none shared), and work queued on
+    each stream (ordinary torch operations and a Triton kernel's launch) gives the same values as on the default
+    stream. Asking for every SM or none is refused with the reason."""
+    from dark.engine.green import split
+    from kernels.norm_rope import rms_norm
+
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    part, rest = split(torch.device(CUDA), 24)
+    assert part.sms >= 24 and rest.sms >= 1 and part.sms + rest.sms <= total
+    x = torch.randn(256, 512, device=CUDA)
+    w = torch.randn(512, device=CUDA)
+    want = (x @ x.T, rms_norm(x, w, 1e-6))
+    for p in (part, rest):
+        with torch.cuda.stream(p.stream):
+            got = (x @ x.T, rms_norm(x, w, 1e-6))
+        p.stream.synchronize()
+        torch.testing.assert_close(got, want)
+    for bad in (0, total):
+        with pytest.raises(ValueError, match="0 < sms"):
+            split(torch.device(CUDA), bad)
+
+
+def test_decoding_in_a_partition_while_learning_gives_the_same_tokens(tiny_models):
+    """With serving's partition set (as a learn job does), the engine's steps move to that stream and back, and the
+    greedy tokens (graphs replayed there, then on every SM again) are those decoded on every SM."""
+    from dark.engine.green import split
+
+    with OnlineLLM(str(tiny_models["qwen2"]), device=CUDA, dtype="float32", block_size=8, max_num_seqs=4) as llm:
+        engine = llm.engine
+        first = llm.generate(PROMPTS[:3], max_tokens=12)
+        serve, _ = split(torch.device(CUDA), 16)
+        used = []
+        engine.serve_in_partition(serve.stream, lambda: used.append(torch.cuda.current_stream()) or True)
+        assert llm.generate(PROMPTS[:3], max_tokens=12) == first
+        assert used and engine.runner._replay_stream == serve.stream
+        engine.serve_in_partition(None)
+        assert llm.generate(PROMPTS[:3], max_tokens=12) == first
+        assert engine.runner._replay_stream == engine.stream

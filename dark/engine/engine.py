@@ -50,6 +50,9 @@ class Engine:
         self._by_id: dict[int, Sequence] = {}
         # serving outranks training: the GPU picks this stream's kernels first when both have work queued
         self.stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
+        # (stream, active): while active() (a learn job runs), steps go to that stream, a partition of the SMs that
+        # training stays off (dark.engine.green); else to self.stream, every SM
+        self._partition: tuple[torch.cuda.Stream, Callable[[], bool]] | None = None
         self._thread = threading.Thread(target=self._loop, name="dark-engine", daemon=True)
         self._thread.start()
 
@@ -133,12 +136,28 @@ class Engine:
             except BaseException as e:  # handed to the caller, who decides
                 fut.set_exception(e)
 
+    def serve_in_partition(self, stream: torch.cuda.Stream | None, active: Callable[[], bool] = lambda: True) -> None:
+        """Run steps on `stream` (a partition of the SMs, dark.engine.green) while active() holds, so that their
+        kernels never wait for an SM a training step holds; on the engine's own stream (every SM) otherwise and
+        when `stream` is None."""
+        self._partition = None if stream is None else (stream, active)
+
+    def _pick_stream(self) -> None:
+        part = self._partition
+        want = part[0] if part is not None and part[1]() else self.stream
+        now = torch.cuda.current_stream(self.device)
+        if want != now:  # the new stream's work follows what the old one has queued (a step launched ahead)
+            want.wait_stream(now)
+            torch.cuda.set_stream(want)
+
     def _step(self) -> None:
         batch = self.scheduler.schedule()
         if not batch:
             with self._wake:  # waiting on adapter slots or cache blocks held by others: nap until news
                 self._wake.wait(timeout=0.005)
             return
+        if self.stream is not None:
+            self._pick_stream()
         try:
             # nothing waiting to join: the next step is likely these sequences one token on (the runner may
             # launch it before this one's tokens are back)

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from ..config import LearnConfig, LoraConfig
+from ..engine.green import split
 from ..errors import DarkError, InvalidRequestError
 from ..lora.weights import AdapterWeights
 from ..store.db import Store
@@ -55,6 +56,25 @@ def training_stream(device: torch.device, sms: int):
             return ctx, stream
     return None, torch.cuda.Stream(device=device, priority=0)
 
+
+def partitions(device: torch.device, serve_sms: int):
+    """(serving's partition of at least serve_sms SMs, training's of the others), made once per process and size;
+    None where the driver cannot split the device (DARK_SPLIT_SMS=0 asks for none)."""
+    if os.environ.get("DARK_SPLIT_SMS", "1") == "0":
+        return None
+    key = (device.index or 0, serve_sms)
+    if key not in _SPLITS:
+        try:
+            _SPLITS[key] = split(device, serve_sms, priorities=(-1, 0))
+            log.info("while a learn job runs beside serving: serving on %d SMs, training on %d (disjoint)",
+                     _SPLITS[key][0].sms, _SPLITS[key][1].sms)
+        except (RuntimeError, OSError, AttributeError) as e:  # an older driver: no green contexts or no split
+            log.warning("no split of the SMs (%s); training keeps to a green context and serving uses every SM", e)
+            _SPLITS[key] = None
+    return _SPLITS[key]
+
+
+_SPLITS: dict[tuple[int, int], tuple | None] = {}
 
 # the warm-up's correction: a question, a taught answer and a replaced one. Its step's pass over the taught items
 # (the example and one rewording, ~500 tokens) is past the 384 tokens above which a pass is checkpointed, as a real
@@ -143,13 +163,28 @@ class Learner:
 
     def set_train_sms(self, sms: int) -> None:
         """SMs training steps may use while requests are being served: -1 half of them, 0 all (shared with serving by
-        stream priority), N that many. Steps taken while nothing is served use every SM either way."""
+        stream priority), N that many. Steps taken while nothing is served use every SM either way.
+
+        With N (or half), the device's SMs are split in two disjoint partitions (dark.engine.green): learn jobs'
+        steps run on N of them while requests are served, and serving runs on the others while a job runs, so
+        neither waits for an SM the other holds. Where the driver cannot split, training alone is kept to N SMs
+        (torch's green context) and serving uses every SM."""
         engine, trainer = self.llm.engine, self.trainer
         trainer.shared_stream, self._green = None, None
+        engine.serve_in_partition(None)
         if engine.device.type != "cuda" or sms == 0:
             return
+        total = torch.cuda.get_device_properties(engine.device).multi_processor_count
         if sms < 0:
-            sms = torch.cuda.get_device_properties(engine.device).multi_processor_count // 2
+            sms = total // 2
+        parts = partitions(engine.device, total - sms) if 0 < sms < total else None
+        if parts is not None:
+            serve, train = parts
+            self._green = train
+            trainer.shared_stream = train.stream
+            trainer.serving_busy = engine.scheduler.has_work
+            engine.serve_in_partition(serve.stream, lambda: self._busy)
+            return
         self._green, stream = training_stream(engine.device, sms)
         if self._green is not None:
             trainer.shared_stream = stream
