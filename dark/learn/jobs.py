@@ -57,17 +57,19 @@ def training_stream(device: torch.device, sms: int):
     return None, torch.cuda.Stream(device=device, priority=0)
 
 
-def partitions(device: torch.device, serve_sms: int):
-    """(serving's partition of at least serve_sms SMs, training's of the others), made once per process and size;
-    None where the driver cannot split the device (DARK_SPLIT_SMS=0 asks for none)."""
+def partitions(device: torch.device, train_sms: int):
+    """(serving's partition, training's partition of at least train_sms SMs: the driver rounds up to its
+    granularity, 8 on Hopper), disjoint, made once per process and size; None where the driver cannot split the
+    device (DARK_SPLIT_SMS=0 asks for none)."""
     if os.environ.get("DARK_SPLIT_SMS", "1") == "0":
         return None
-    key = (device.index or 0, serve_sms)
+    key = (device.index or 0, train_sms)
     if key not in _SPLITS:
         try:
-            _SPLITS[key] = split(device, serve_sms, priorities=(-1, 0))
-            log.info("while a learn job runs beside serving: serving on %d SMs, training on %d (disjoint)",
-                     _SPLITS[key][0].sms, _SPLITS[key][1].sms)
+            train, serve = split(device, train_sms, priorities=(0, -1))
+            _SPLITS[key] = serve, train
+            log.info("while a learn job runs beside serving: training on %d SMs, serving on the other %d",
+                     train.sms, serve.sms)
         except (RuntimeError, OSError, AttributeError) as e:  # an older driver: no green contexts or no split
             log.warning("no split of the SMs (%s); training keeps to a green context and serving uses every SM", e)
             _SPLITS[key] = None
@@ -177,7 +179,7 @@ class Learner:
         total = torch.cuda.get_device_properties(engine.device).multi_processor_count
         if sms < 0:
             sms = total // 2
-        parts = partitions(engine.device, total - sms) if 0 < sms < total else None
+        parts = partitions(engine.device, sms) if 0 < sms < total else None
         if parts is not None:
             serve, train = parts
             self._green = train
