@@ -351,7 +351,7 @@ def dark_parts(run: Run, llm) -> None:
         # (--split-ab: each setting again with DARK_SPLIT_SMS=0, serving on every SM, as before the split)
         learner, by_sms = llm.learner, {}
         for n in a.train_sms:
-            for split in ("1", "0") if a.split_ab else (os.environ.get("DARK_SPLIT_SMS", "1"),):
+            for split in ("1", "0") if a.split_ab else (os.environ.get("DARK_SPLIT_SMS", "0"),):
                 os.environ["DARK_SPLIT_SMS"] = split
                 learner.set_train_sms(n)
                 bench_dark_decode(llm, clock, train_args, dev, sub, run.save, solo.get("rate"))

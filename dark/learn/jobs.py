@@ -60,8 +60,8 @@ def training_stream(device: torch.device, sms: int):
 def partitions(device: torch.device, train_sms: int):
     """(serving's partition, training's partition of at least train_sms SMs: the driver rounds up to its
     granularity, 8 on Hopper), disjoint, made once per process and size; None where the driver cannot split the
-    device (DARK_SPLIT_SMS=0 asks for none)."""
-    if os.environ.get("DARK_SPLIT_SMS", "1") == "0":
+    device, and unless DARK_SPLIT_SMS=1 (off by default until measured on the GPU)."""
+    if os.environ.get("DARK_SPLIT_SMS", "0") == "0":
         return None
     key = (device.index or 0, train_sms)
     if key not in _SPLITS:
