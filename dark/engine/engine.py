@@ -141,6 +141,7 @@ class Engine:
         kernels never wait for an SM a training step holds; on the engine's own stream (every SM) otherwise and
         when `stream` is None."""
         self._partition = None if stream is None else (stream, active)
+        self.runner.partition = stream
 
     def _pick_stream(self) -> None:
         part = self._partition

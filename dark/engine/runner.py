@@ -38,6 +38,9 @@ class ModelRunner:
         self._buffers_for = 0  # decode buffers are made on the first fast step
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._replay_stream = None  # the stream the graphs replay on (the engine's)
+        # a stream of a partition of the SMs (dark.engine.green) that steps may run on: graphs replayed there are
+        # captured there, since a graph's kernels run where they were captured, whatever stream replays them
+        self.partition: torch.cuda.Stream | None = None
         self._pool = None
         self.fast_steps = 0  # decode steps that took the fast path
         # launch the next decode step before this one's tokens are back: "graphs" where decode steps are CUDA
@@ -238,6 +241,10 @@ class ModelRunner:
 
     def _replay(self, rows: int, with_lora: bool, greedy: bool) -> torch.Tensor:
         key = (rows, with_lora, greedy) + ((self.slots.version, self.slots.kernel_rank()) if with_lora else ())
+        stream = torch.cuda.current_stream(self.device)
+        confined = self.partition is not None and stream == self.partition
+        if confined:
+            key += (stream.cuda_stream,)
         entry = self._graphs.get(key)
         if entry is None:
             # warm-up outside the graph (Triton compiles, cuBLAS picks its kernels); it stores the same keys
@@ -247,13 +254,14 @@ class ModelRunner:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             # thread_local: a training thread may allocate on its own stream meanwhile
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream if confined else None,
+                                  capture_error_mode="thread_local"):
                 out = self._forward_decode(rows, with_lora, greedy)
             entry = self._graphs[key] = (graph, out)
-            log.info("captured the decode step for %d sequences%s%s", rows, " with adapters" if with_lora else "",
-                     ", greedy" if greedy else "")
+            log.info("captured the decode step for %d sequences%s%s%s", rows, " with adapters" if with_lora else "",
+                     ", greedy" if greedy else "", " in serving's partition of the SMs" if confined else "")
         graph, out = entry
-        self._replay_stream = torch.cuda.current_stream(self.device)
+        self._replay_stream = stream
         graph.replay()
         return out
 
