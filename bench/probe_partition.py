@@ -154,7 +154,7 @@ def main() -> None:
             dec, rest = split(dev, n, priorities=(-1, 0))
             # the step captured again on the partition's stream: a graph's kernels run where it was captured
             runner.partition = dec.stream
-            with torch.cuda.stream(dec.stream):
+            with torch.cuda.stream(dec.stream), torch.inference_mode():
                 runner._replay(a.streams, False, keys[0][2])
             dec.stream.synchronize()
             confined = runner._graphs[keys[0] + (dec.stream.cuda_stream,)][0]

@@ -427,6 +427,7 @@ class Trainer:
         # part of the SMs, dark.learn.jobs.training_stream) when one is set, else on self.stream
         self.shared_stream: torch.cuda.Stream | None = None
         self.serving_busy: Callable[[], bool] = lambda: False
+        self.training = 0  # train() calls under way (serving keeps to its partition of the SMs meanwhile)
         if self.stream is not None and hasattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch"):
             # the factors' gradient accumulators outlive a step, and steps (and parts) move between the trainer's
             # streams on purpose, each waiting for the last (_step_stream): the mismatch warning would fire every job
@@ -584,10 +585,14 @@ class Trainer:
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
         low = self.device.type == "cpu" and cfg.cpu_bf16 and self.model.lm_head.weight.dtype == torch.float32 and cpu_has_bf16()
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if low else nullcontext()
-        with ctx, autocast, torch.enable_grad():
-            result = self._train(weights, optimizer_state, items, cfg, on_step, low)
-        if self.stream is not None:
-            self.stream.synchronize()
+        self.training += 1
+        try:
+            with ctx, autocast, torch.enable_grad():
+                result = self._train(weights, optimizer_state, items, cfg, on_step, low)
+            if self.stream is not None:
+                self.stream.synchronize()
+        finally:
+            self.training -= 1
         result.seconds = time.perf_counter() - start
         return result
 
