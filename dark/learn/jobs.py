@@ -167,10 +167,11 @@ class Learner:
         """SMs training steps may use while requests are being served: -1 half of them, 0 all (shared with serving by
         stream priority), N that many. Steps taken while nothing is served use every SM either way.
 
-        With N (or half), the device's SMs are split in two disjoint partitions (dark.engine.green): learn jobs'
-        steps run on N of them while requests are served, and serving runs on the others while a job runs, so
-        neither waits for an SM the other holds. Where the driver cannot split, training alone is kept to N SMs
-        (torch's green context) and serving uses every SM."""
+        By default training alone is kept to N SMs (torch's green context) and serving uses every SM. With
+        DARK_SPLIT_SMS=1 the device's SMs are split in two disjoint partitions (dark.engine.green): training steps
+        run on N of them while requests are served, and serving on the others while a train() call runs. That
+        trades decode latency for training rate (bench/RESULTS.md, 2026-12-03: at N=96, training 0.73 of its solo
+        rate against 0.61, decode p99 2.9x solo against 2.3x), so it is not the default."""
         engine, trainer = self.llm.engine, self.trainer
         trainer.shared_stream, self._green = None, None
         engine.serve_in_partition(None)
