@@ -50,8 +50,8 @@ class Engine:
         self._by_id: dict[int, Sequence] = {}
         # serving outranks training: the GPU picks this stream's kernels first when both have work queued
         self.stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
-        # (stream, active): while active() (a learn job runs), steps go to that stream, a partition of the SMs that
-        # training stays off (dark.engine.green); else to self.stream, every SM
+        # (stream, active): while active() (a train() call runs), steps go to that stream, a partition of the SMs
+        # that training stays off (dark.engine.green); else to self.stream, every SM
         self._partition: tuple[torch.cuda.Stream, Callable[[], bool]] | None = None
         self._thread = threading.Thread(target=self._loop, name="dark-engine", daemon=True)
         self._thread.start()

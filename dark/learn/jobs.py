@@ -60,7 +60,8 @@ def training_stream(device: torch.device, sms: int):
 def partitions(device: torch.device, train_sms: int):
     """(serving's partition, training's partition of at least train_sms SMs: the driver rounds up to its
     granularity, 8 on Hopper), disjoint, made once per process and size; None where the driver cannot split the
-    device, and unless DARK_SPLIT_SMS=1 (off by default until measured on the GPU)."""
+    device, and unless DARK_SPLIT_SMS=1 (off by default: it trades decode latency for training rate, see
+    Learner.set_train_sms)."""
     if os.environ.get("DARK_SPLIT_SMS", "0") == "0":
         return None
     key = (device.index or 0, train_sms)
