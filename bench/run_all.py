@@ -348,15 +348,17 @@ def dark_parts(run: Run, llm) -> None:
     def during():
         # the headline figures come from the first setting of --train-sms (the engine's default first); the others
         # are in the details, one row per setting: SMs the trainer may use (a green context), 0 = all of them
-        # (--split-ab: each setting again with DARK_SPLIT_SMS=0, serving on every SM, as before the split)
+        # (--split-ab: each setting again with the other DARK_SPLIT_SMS, its row named N-split or N-unsplit)
         learner, by_sms = llm.learner, {}
+        given = os.environ.get("DARK_SPLIT_SMS")
+        default = given or "0"
         for n in a.train_sms:
-            for split in ("1", "0") if a.split_ab else (os.environ.get("DARK_SPLIT_SMS", "0"),):
+            for split in (default, "1" if default == "0" else "0") if a.split_ab else (default,):
                 os.environ["DARK_SPLIT_SMS"] = split
                 learner.set_train_sms(n)
                 bench_dark_decode(llm, clock, train_args, dev, sub, run.save, solo.get("rate"))
                 d = sub["decode"][-1]
-                key = n if split == "1" else f"{n}-unsplit"
+                key = n if split == default else f"{n}-{'split' if split == '1' else 'unsplit'}"
                 by_sms[key] = {"p99_ratio": round(d["while_training"]["p99_ms"] / d["solo"]["p99_ms"], 3),
                                "p50_ratio": round(d["while_training"]["p50_ms"] / d["solo"]["p50_ms"], 3),
                                "train_ratio": d["train_ratio"], "green_context": learner._green is not None,
@@ -366,8 +368,10 @@ def dark_parts(run: Run, llm) -> None:
                 if key == a.train_sms[0]:
                     run.fig("decode_p99_ratio_during_training", by_sms[key]["p99_ratio"])
                     run.fig("train_ratio_during_decode", by_sms[key]["train_ratio"])
-        if a.split_ab:
+        if given is None:
             os.environ.pop("DARK_SPLIT_SMS", None)
+        else:
+            os.environ["DARK_SPLIT_SMS"] = given
         learner.set_train_sms(llm.engine.config.train_sms)
     run.part("decode_during_training", during)
 
@@ -510,7 +514,7 @@ def main() -> None:
     ap.add_argument("--multi-ab", nargs="*", default=[], metavar="ENV=VALUE",
                     help="also time 64 sequences over 32 adapters with each of these environment settings")
     ap.add_argument("--split-ab", action="store_true",
-                    help="decode during training also with serving on every SM (DARK_SPLIT_SMS=0), each --train-sms")
+                    help="decode during training also with the other DARK_SPLIT_SMS setting, each --train-sms")
     ap.add_argument("--lora-variants", action="store_true",
                     help="also time the adapter lines with the other LoRA decode kernels (fused <-> shrink + expand)")
     sizes = {"repeats": 2, "prompt_len": 128, "bs1_tokens": 128, "adapters": 32, "multi_batch": 64, "multi_tokens": 64,
