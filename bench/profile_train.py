@@ -68,19 +68,22 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
-def profiled(llm, items, steps: int = 2) -> dict:
+def profiled(llm, items, steps: int = 2, overrides: dict | None = None, trace: Path | None = None) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from dark.config import LearnConfig
 
-    cfg = LearnConfig(max_steps=steps, min_steps=steps, kl_weight=0.0).validate()
-    train_dark(llm, items, LearnConfig(max_steps=1, min_steps=1, kl_weight=0.0).validate(), None)  # warm
+    cfg = LearnConfig(max_steps=steps, min_steps=steps, kl_weight=0.0, **(overrides or {})).validate()
+    train_dark(llm, items, LearnConfig(max_steps=1, min_steps=1, kl_weight=0.0, **(overrides or {})).validate(), None)  # warm
     torch.cuda.synchronize()
     t = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         train_dark(llm, items, cfg, None)
         torch.cuda.synchronize()
     wall = time.perf_counter() - t
+    if trace is not None:  # the timeline, for chrome://tracing or Perfetto (gzip'd JSON)
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
     ev = prof.key_averages()
     kernels = [e for e in ev if e.device_time_total > 0 and "CUDA" in str(getattr(e, "device_type", ""))]
     ops = [e for e in ev if e.key.startswith("aten::")]
@@ -104,6 +107,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--variants", nargs="*", help="labels of VARIANTS to run (default all)")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--profile-variants", nargs="*", default=["default"],
+                    help="labels of VARIANTS (without protector bases) to profile, each in its own profile")
+    ap.add_argument("--trace", type=Path, help="write the first profile's timeline here (.json.gz)")
     a = ap.parse_args()
     from dark.learn import protect
 
@@ -127,8 +133,12 @@ def main() -> None:
     torch.backends.cuda.enable_cudnn_sdp(True)
     llm.learner.trainer._protectors.clear()
     if not a.no_profile:
-        out["profile"] = profiled(llm, items)
-        print(json.dumps(out["profile"], indent=1)[:6000], flush=True)
+        settings = {label: overrides for label, overrides, _ in VARIANTS}
+        for label in a.profile_variants:
+            key = "profile" if label == "default" else f"profile ({label})"
+            out[key] = profiled(llm, items, overrides=settings[label], trace=a.trace)
+            a.trace = None
+            print(key, json.dumps(out[key], indent=1)[:6000], flush=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=1))
     llm.close()

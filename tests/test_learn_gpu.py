@@ -166,6 +166,8 @@ def test_checkpointed_layer_inputs_wait_on_the_host(tiny_models, tmp_path):
             grads[to_host] = [t.grad.clone() for k, p in params.items() if k[1] != "lm_head" for t in p]
         layer_input = tokens * mc.hidden_size * 2
         assert saved.moved == mc.num_layers * layer_input, (saved.moved, layer_input)
+        # every layer's input but the last layer's came back ahead of its backward, on the side stream
+        assert saved.prefetched == mc.num_layers - 1, saved.prefetched
         assert kept[False] - kept[True] >= mc.num_layers * layer_input, kept
         # the same gradients (within the rounding of flash attention's atomic adds in backward)
         num = sum(float((x - y).double().square().sum()) for x, y in zip(grads[False], grads[True]))

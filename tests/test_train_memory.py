@@ -133,6 +133,42 @@ def test_layer_checkpointing_gives_the_same_loss_and_gradients(llm):
     assert_grads_close(results[True][2], results[False][2], rtol=1e-5)
 
 
+def test_the_recompute_skips_each_layers_down_proj_product(llm):
+    """A checkpointed layer's recompute in backward gives what the layer's backward reads and no more: the
+    down_proj product (whose values only the residual add reads) is not computed again. Counted in matmul FLOPs
+    against the same recompute with the skip turned off (Linear.output_unread_in_recompute): one down_proj
+    product a layer fewer, the same first run, and the same gradients."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = llm.learner.trainer.model
+    cfg = model.config
+    lora = lora_on_everything(model)
+    prefix, batch, length = 5, 2, 9
+    ids, pos, weight = shared_prefix_batch(model, prefix, batch, length, seed=3)
+    attn = SharedPrefixAttention(prefix, batch, length, torch.device("cpu"))
+    downs = [layer.mlp.down_proj for layer in model.model.layers]
+    flops, got = {}, {}
+    try:
+        for skip in (False, True):
+            for d in downs:
+                d.output_unread_in_recompute = skip
+            zero_grads(lora)
+            with FlopCounterMode(display=False) as fwd:
+                hidden = model.hidden_states(ids, pos, attn, lora, checkpoint=True)
+            loss = (hidden * weight).sum() + model.logits(hidden[-4:], lora).logsumexp(-1).sum()
+            with FlopCounterMode(display=False) as bwd:
+                loss.backward()
+            flops[skip], got[skip] = (fwd.get_total_flops(), bwd.get_total_flops()), grads(lora)
+    finally:
+        for d in downs:
+            d.output_unread_in_recompute = True
+    tokens = prefix + batch * length
+    down = 2 * tokens * cfg.intermediate_size * cfg.hidden_size * cfg.num_layers
+    assert flops[True][0] == flops[False][0]  # the first run: the whole forward
+    assert flops[True][1] == flops[False][1] - down, (flops, down)
+    assert_grads_close(got[True], got[False], rtol=1e-6)
+
+
 def test_layer_inputs_leave_through_the_saved_tensor_hooks(llm):
     """CausalLM.hidden_states(checkpoint=True, saved=...): each layer's input, and nothing else, goes out through
     the InputsToHost hooks once and comes back for its layer's backward: the gradients of keeping it. (The copy

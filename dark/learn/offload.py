@@ -3,23 +3,31 @@ device.
 
 A checkpointed pass keeps one tensor a layer ([tokens, hidden] in bf16: a 4096-token pass of a 7B model, 28 x 29
 MB = 0.8 GB). Each is copied to pinned host memory on a side stream while the forward goes on, and copied back
-when the backward reaches its layer: the device holds one layer's input at a time, so a long batch can run as one
-pass (a pass's host work, tens of thousands of operator calls, does not grow with its tokens) in the memory two
-half passes took. The copy back is queued on the step's stream when the backward reaches the layer, and the
-layer's recompute waits for it (~0.6 ms for 29 MB): measured, ~12 ms of a 440 ms 7B step (bench/RESULTS.md).
+when the backward reaches its layer: the device holds one or two layers' inputs at a time, so a long batch can run
+as one pass (a pass's host work, tens of thousands of operator calls, does not grow with its tokens) in the memory
+two half passes took. When the backward takes a layer's input, the input of the layer before it starts back on the
+side stream, so its copy (~0.6 ms for 29 MB) runs while this layer's recompute and backward do; only the last
+layer's input is copied back on the step's own stream, which waits for it. Without that prefetch the waits cost ~12
+ms of a 440 ms 7B step (bench/RESULTS.md).
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 
 import torch
 
 
 class _OnHost:
-    __slots__ = ("host", "copied")
+    """One saved tensor in pinned host memory: copied (its copy out has run), and once it is on its way back,
+    back (the device tensor) and ready (its copy in has run); before (the one saved before it, to prefetch when
+    this one is taken; a weak reference: a pass whose graph is dropped without a backward frees its own)."""
+    __slots__ = ("host", "copied", "back", "ready", "before", "__weakref__")
 
-    def __init__(self, host: torch.Tensor, copied: torch.cuda.Event):
+    def __init__(self, host: torch.Tensor, copied: torch.cuda.Event, before: "_OnHost | None"):
         self.host, self.copied = host, copied
+        self.before = weakref.ref(before) if before is not None else None
+        self.back = self.ready = None
 
 
 class InputsToHost:
@@ -30,6 +38,8 @@ class InputsToHost:
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self.moved = 0  # bytes sent to the host (all passes)
+        self.prefetched = 0  # tensors brought back ahead of their backward, on the side stream
+        self._last: _OnHost | None = None  # the tensor saved last: the next one's `before`
 
     @contextmanager
     def keeping(self, x: torch.Tensor):
@@ -55,10 +65,31 @@ class InputsToHost:
             copied.record()
         t.record_stream(self.stream)  # its memory is not reused before the copy has read it
         self.moved += t.numel() * t.element_size()
-        return _OnHost(host, copied)
+        self._last = _OnHost(host, copied, self._last)
+        return self._last
 
     def _in(self, packed):
         if not isinstance(packed, _OnHost):
             return packed
-        torch.cuda.current_stream(self.device).wait_event(packed.copied)
-        return packed.host.to(self.device, non_blocking=True)
+        current = torch.cuda.current_stream(self.device)
+        if packed.back is None:  # not prefetched (the pass's last layer): copied in on the step's stream
+            current.wait_event(packed.copied)
+            back = packed.host.to(self.device, non_blocking=True)
+        else:
+            current.wait_event(packed.ready)
+            back = packed.back
+            back.record_stream(current)  # made on the side stream, used (and freed) on this one
+        before = packed.before() if packed.before is not None else None
+        packed.host = packed.back = packed.before = None  # each is taken once; the pinned block goes back
+        if before is not None and before.host is not None and before.back is None:
+            self._prefetch(before)
+        return back
+
+    def _prefetch(self, packed: _OnHost) -> None:
+        """Start packed's copy back on the side stream: the backward takes it next (the layer before)."""
+        self.stream.wait_event(packed.copied)
+        with torch.cuda.stream(self.stream):
+            packed.back = packed.host.to(self.device, non_blocking=True)
+            packed.ready = torch.cuda.Event()
+            packed.ready.record()
+        self.prefetched += 1
