@@ -73,6 +73,7 @@ class Protector:
     def __init__(self, energy: float = 0.99):
         self.energy = energy
         self.bases: dict[tuple[int, str], torch.Tensor] = {}  # (layer, module) -> V [in, k], orthonormal columns
+        self._stream: torch.cuda.Stream | None = None  # where bases in host memory cross to the device
 
     def fit(self, model, tokenizer, device: torch.device, dtype: torch.dtype) -> "Protector":
         rendered = [render(tokenizer, [{"role": "user", "content": q}, {"role": "assistant", "content": a}])
@@ -107,15 +108,48 @@ class Protector:
             if v is not None:
                 sharing.setdefault(id(v), (v, []))[1].append(i)
         targets, fixes = [], []
-        for v, users in sharing.values():
-            # one widened basis at a time: all of a 7B model's at once would take ~2 GB of device memory
-            w = self._on(v, a[users[0]])
+        bases = list(sharing.values())
+        # one widened basis at a time (all of a 7B model's at once would take ~2 GB of device memory); bases in
+        # pinned host memory come over on a side stream, AHEAD bases ahead of the one in use, so the bus stays busy
+        # while the device works on the one before
+        coming = [self._fetch(v, a[users[0]]) for v, users in bases[:self.AHEAD]]
+        for j, (v, users) in enumerate(bases):
+            if j + self.AHEAD < len(bases):
+                ahead_v, ahead_users = bases[j + self.AHEAD]
+                coming.append(self._fetch(ahead_v, a[ahead_users[0]]))
+            w = self._arrived(coming[j], a[users[0]])
+            coming[j] = None
             for i in users:
                 targets.append(a[i])
                 fixes.append((changes[i] @ w) @ w.t())
             del w
         if targets:
             torch._foreach_sub_(targets, fixes)
+
+    AHEAD = 2  # bases on their way while one is used (a 7B down_proj's is ~29 MB in bf16)
+
+    def _fetch(self, v: torch.Tensor, like: torch.Tensor):
+        """Start v's copy to like's device: (the device copy, the event its copy records) on a side stream for a
+        basis in pinned host memory, else (v, None)."""
+        if v.device == like.device or like.device.type != "cuda":
+            return v, None
+        if self._stream is None or self._stream.device != like.device:
+            self._stream = torch.cuda.Stream(like.device)
+        with torch.cuda.stream(self._stream):
+            moved = v.to(like.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        return moved, done
+
+    @staticmethod
+    def _arrived(fetched, like: torch.Tensor) -> torch.Tensor:
+        """A fetched basis, widened to like's dtype on the current stream once its copy has run."""
+        moved, done = fetched
+        if done is not None:
+            current = torch.cuda.current_stream(like.device)
+            current.wait_event(done)
+            moved.record_stream(current)  # made on the side stream, used and freed on this one
+        return Protector._on(moved, like)
 
     def project(self, key: tuple[int, str], a: torch.Tensor) -> torch.Tensor:
         v = self.bases.get(key)

@@ -125,8 +125,9 @@ class TrainLoRA:
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         ready = self.cast.get((layer, module))
         if ready is not None and ready[0].dtype == x.dtype:
-            # the delta is added by the second GEMM itself (addmm): no elementwise pass over [tokens, out]
-            return torch.addmm(y, x @ ready[0].t(), ready[1].t())
+            # the delta is added by the second GEMM itself, into y in place (y, the projection's own output, is read
+            # by nothing in backward): no elementwise pass over [tokens, out], and no copy of y as addmm makes
+            return y.addmm_(x @ ready[0].t(), ready[1].t())
         p = self.params.get((layer, module))
         if p is None:
             return y
@@ -144,7 +145,7 @@ class TrainLoRA:
         GEMM that adds into y. A group whose members do not all have factors goes member by member."""
         ready = self.cast.get((layer, group))
         if ready is not None and ready[0].dtype == x.dtype:
-            return torch.addmm(y, x @ ready[0].t(), ready[1].t())
+            return y.addmm_(x @ ready[0].t(), ready[1].t())  # as apply's
         members = MEMBERS[group]
         ps = [self.params.get((layer, m)) for m in members]
         if all(p is None for p in ps):
