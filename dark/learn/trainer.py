@@ -657,9 +657,12 @@ class Trainer:
         if protector is not None:
             with torch.no_grad():
                 zero_b = torch.stack([b.abs().amax() == 0 for _, b in params.values()]).tolist()  # one sync
-                for (k, (a, _)), zero in zip(params.items(), zero_b):
-                    if zero:  # A can turn freely while B is zero: it changes no output yet
-                        a.copy_(protector.project(k, a))
+                # A can turn freely while B is zero (it changes no output yet): such an A is projected whole, as a
+                # change from zero, through project_updates (each shared basis crosses once, on its side stream)
+                fresh = [k for k, zero in zip(params, zero_b) if zero]
+                if fresh:
+                    a_fresh = [params[k][0] for k in fresh]
+                    protector.project_updates(fresh, a_fresh, [torch.zeros_like(a) for a in a_fresh])
         marks["protected"] = time.perf_counter()
         anchors = self.anchors(cfg.anchor_prompts) if cfg.kl_weight > 0 else []
         self._reference(items)
