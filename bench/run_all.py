@@ -129,7 +129,9 @@ class Run:
 
     def part(self, name: str, fn, measured: bool = True) -> None:
         """measured=False: an instrument's part (a profiled job): its peak is kept in the details, not in the
-        memory line (the profiler's own device buffers are not the server's)"""
+        memory line (the profiler's own device buffers are not the server's). A part left out by --parts is skipped."""
+        if self.args.parts and name not in self.args.parts:
+            return
         t = time.perf_counter()
         print(f"--- {name}", flush=True)
         cuda = self.device.type == "cuda"
@@ -368,6 +370,23 @@ def dark_parts(run: Run, llm) -> None:
                 if key == a.train_sms[0]:
                     run.fig("decode_p99_ratio_during_training", by_sms[key]["p99_ratio"])
                     run.fig("train_ratio_during_decode", by_sms[key]["train_ratio"])
+                    for spec in a.during_ab:  # the same, with an environment setting changed (the trainer's knobs)
+                        env, _, value = spec.partition("=")
+                        before = os.environ.get(env)
+                        os.environ[env] = value
+                        try:
+                            bench_dark_decode(llm, clock, train_args, dev, sub, run.save, solo.get("rate"))
+                        finally:
+                            if before is None:
+                                os.environ.pop(env)
+                            else:
+                                os.environ[env] = before
+                        d = sub["decode"][-1]
+                        by_sms[f"{n}-{spec}"] = {
+                            "p99_ratio": round(d["while_training"]["p99_ms"] / d["solo"]["p99_ms"], 3),
+                            "p50_ratio": round(d["while_training"]["p50_ms"] / d["solo"]["p50_ms"], 3),
+                            "train_ratio": d["train_ratio"]}
+                        print(json.dumps({"train_sms": f"{n}-{spec}", **by_sms[f"{n}-{spec}"]}), flush=True)
         if given is None:
             os.environ.pop("DARK_SPLIT_SMS", None)
         else:
@@ -515,6 +534,11 @@ def main() -> None:
                     help="also time 64 sequences over 32 adapters with each of these environment settings")
     ap.add_argument("--split-ab", action="store_true",
                     help="decode during training also with the other DARK_SPLIT_SMS setting, each --train-sms")
+    ap.add_argument("--parts", nargs="*", default=[],
+                    help="run only these dark parts (decode_bs1 multi_adapter offline train decode_during_training "
+                         "correction train_no_checkpoint; default all; no memory line then)")
+    ap.add_argument("--during-ab", nargs="*", default=[], metavar="ENV=VALUE",
+                    help="decode during training again with each of these environment settings (first --train-sms)")
     ap.add_argument("--lora-variants", action="store_true",
                     help="also time the adapter lines with the other LoRA decode kernels (fused <-> shrink + expand)")
     sizes = {"repeats": 2, "prompt_len": 128, "bs1_tokens": 128, "adapters": 32, "multi_batch": 64, "multi_tokens": 64,
@@ -567,7 +591,8 @@ def main() -> None:
         run.report["seconds"]["dark_load"] = round(time.perf_counter() - t, 1)
         try:
             dark_parts(run, llm)
-            memory(run, llm)
+            if not args.parts:
+                memory(run, llm)
             run.part("train_no_checkpoint", lambda: no_checkpoint(run, llm))
         finally:
             llm.close()

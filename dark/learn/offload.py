@@ -12,6 +12,7 @@ ms of a 440 ms 7B step (bench/RESULTS.md).
 """
 from __future__ import annotations
 
+import os
 import weakref
 from contextlib import contextmanager
 
@@ -81,7 +82,8 @@ class InputsToHost:
             back.record_stream(current)  # made on the side stream, used (and freed) on this one
         before = packed.before() if packed.before is not None else None
         packed.host = packed.back = packed.before = None  # each is taken once; the pinned block goes back
-        if before is not None and before.host is not None and before.back is None:
+        if (before is not None and before.host is not None and before.back is None
+                and os.environ.get("DARK_INPUTS_AHEAD", "1") != "0"):  # 0: each copied back when taken (an A/B)
             self._prefetch(before)
         return back
 

@@ -13,6 +13,7 @@ The conversations below are written for this purpose; none is a prompt the bench
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -131,8 +132,8 @@ class Protector:
     def _fetch(self, v: torch.Tensor, like: torch.Tensor):
         """Start v's copy to like's device: (the device copy, the event its copy records) on a side stream for a
         basis in pinned host memory, else (v, None)."""
-        if v.device == like.device or like.device.type != "cuda":
-            return v, None
+        if v.device == like.device or like.device.type != "cuda" or os.environ.get("DARK_BASES_AHEAD", "1") == "0":
+            return v, None  # DARK_BASES_AHEAD=0 (an A/B): copied on the current stream when used
         if self._stream is None or self._stream.device != like.device:
             self._stream = torch.cuda.Stream(like.device)
         with torch.cuda.stream(self._stream):

@@ -83,6 +83,14 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def _add_delta(y: torch.Tensor, codes: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+    """y + codes @ b_t, added into y in place (y, a projection's own output, is read by nothing in backward):
+    torch.addmm would copy y first. DARK_LORA_INPLACE=0 (an A/B): torch.addmm."""
+    if os.environ.get("DARK_LORA_INPLACE", "1") == "0":
+        return torch.addmm(y, codes, b_t)
+    return y.addmm_(codes, b_t)
+
+
 class TrainLoRA:
     """LoRA for training: one adapter's factors, applied to every token, differentiable."""
 
@@ -127,7 +135,7 @@ class TrainLoRA:
         if ready is not None and ready[0].dtype == x.dtype:
             # the delta is added by the second GEMM itself, into y in place (y, the projection's own output, is read
             # by nothing in backward): no elementwise pass over [tokens, out], and no copy of y as addmm makes
-            return y.addmm_(x @ ready[0].t(), ready[1].t())
+            return _add_delta(y, x @ ready[0].t(), ready[1].t())
         p = self.params.get((layer, module))
         if p is None:
             return y
@@ -145,7 +153,7 @@ class TrainLoRA:
         GEMM that adds into y. A group whose members do not all have factors goes member by member."""
         ready = self.cast.get((layer, group))
         if ready is not None and ready[0].dtype == x.dtype:
-            return y.addmm_(x @ ready[0].t(), ready[1].t())  # as apply's
+            return _add_delta(y, x @ ready[0].t(), ready[1].t())
         members = MEMBERS[group]
         ps = [self.params.get((layer, m)) for m in members]
         if all(p is None for p in ps):

@@ -247,7 +247,8 @@ class Linear(nn.Module):
         self.output_unread_in_recompute = name == "down_proj"
 
     def forward(self, x: torch.Tensor, lora: LoRA | None) -> torch.Tensor:
-        if self.output_unread_in_recompute and _RECOMPUTING.get() and torch.is_grad_enabled():
+        if (self.output_unread_in_recompute and _RECOMPUTING.get() and torch.is_grad_enabled()
+                and os.environ.get("DARK_RECOMPUTE_SKIP", "1") != "0"):  # 0: the whole layer again (an A/B)
             # a checkpointed layer's recompute: its down_proj product (~29% of a 7B layer's FLOPs) is skipped, the
             # adapter's delta still runs (its codes are what the factors' gradients read)
             y = _UnreadProduct.apply(x, self.weight)
