@@ -88,8 +88,11 @@ class InputsToHost:
         return back
 
     def _prefetch(self, packed: _OnHost) -> None:
-        """Start packed's copy back on the side stream: the backward takes it next (the layer before)."""
+        """Start packed's copy back on the side stream: the backward takes it next (the layer before). It starts
+        when the device reaches this layer's backward (the current stream's work queued so far), not when the host,
+        which runs ahead, asks: one copy at a time on the bus, beside serving's own."""
         self.stream.wait_event(packed.copied)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             packed.back = packed.host.to(self.device, non_blocking=True)
             packed.ready = torch.cuda.Event()
