@@ -115,15 +115,15 @@ class Protector:
         # while the device works on the one before
         coming = [self._fetch(v, a[users[0]]) for v, users in bases[:self.AHEAD]]
         for j, (v, users) in enumerate(bases):
-            if j + self.AHEAD < len(bases):
-                ahead_v, ahead_users = bases[j + self.AHEAD]
-                coming.append(self._fetch(ahead_v, a[ahead_users[0]]))
             w = self._arrived(coming[j], a[users[0]])
             coming[j] = None
             for i in users:
                 targets.append(a[i])
                 fixes.append(_in_span(changes[i], w))
             del w
+            if j + self.AHEAD < len(bases):  # after this basis's work: its copy waits for it (_fetch)
+                ahead_v, ahead_users = bases[j + self.AHEAD]
+                coming.append(self._fetch(ahead_v, a[ahead_users[0]]))
         if targets:
             torch._foreach_sub_(targets, fixes)
 
