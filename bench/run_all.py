@@ -485,8 +485,10 @@ def met(key: str, value) -> str:
     return "yes" if (value >= target if kind == "min" else value <= target) else "no"
 
 
-def table(report: dict) -> str:
+def table(report: dict, partial: bool = False) -> str:
+    """partial (--parts): a figure a run leaves out reads "not run", not "error"."""
     f = report["figures"]
+    missing = "not run" if partial else "error"
     rows = [
         ("batch-1 decode, base (tok/s)", "decode_bs1_tok_s", "hf_decode_bs1_tok_s", ">= 260"),
         ("batch-1 decode, one adapter (tok/s)", "decode_bs1_adapter_tok_s", "hf_decode_bs1_adapter_tok_s", ""),
@@ -502,7 +504,7 @@ def table(report: dict) -> str:
     ]
     lines = ["| what | dark | HF + PEFT, same run | target | met |", "| --- | --- | --- | --- | --- |"]
     for label, key, hf_key, target in rows:
-        lines.append(f"| {label} | {f.get(key, 'error' if key else '')} | {f.get(hf_key, '') if hf_key else ''} | "
+        lines.append(f"| {label} | {f.get(key, missing if key else '')} | {f.get(hf_key, '') if hf_key else ''} | "
                      f"{target} | {met(key, f.get(key))} |")
     return "\n".join(lines)
 
@@ -512,7 +514,7 @@ def append_results(run: Run, path: Path) -> None:
     text = (f"\n## run_all.py, {r['date']}, {r['device']}\n\n"
             f"Command: `PYTHONPATH=$PWD python3 bench/run_all.py {' '.join(sys.argv[1:])}`; "
             f"{r['shape']} shapes, random bf16 weights, LoRA r16 on all 7 projections; torch {r['torch']}. "
-            f"Seconds per part: {json.dumps(r['seconds'])}.\n\n{table(r)}\n")
+            f"Seconds per part: {json.dumps(r['seconds'])}.\n\n{table(r, bool(a.parts))}\n")
     if r["errors"]:
         text += "\nParts that failed: " + ", ".join(f"{k} ({v.strip().splitlines()[-1]})" for k, v in r["errors"].items()) + "\n"
     with path.open("a") as f:
@@ -610,7 +612,7 @@ def main() -> None:
             for p in (args.results,):
                 if p and p.exists():
                     shutil.copy(p, args.copy_to / p.name)
-    print(table(run.report))
+    print(table(run.report, bool(args.parts)))
 
 
 if __name__ == "__main__":
