@@ -41,6 +41,7 @@ import tempfile
 import threading
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -218,6 +219,21 @@ def hf_parts(run: Run, hf) -> None:
 
 
 # --- dark ---
+@contextmanager
+def env_setting(spec: str):
+    """Within the block, the environment variable of spec ("NAME=VALUE") has that value; as it was after."""
+    key, _, value = spec.partition("=")
+    before = os.environ.get(key)
+    os.environ[key] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
 def dark_parts(run: Run, llm) -> None:
     a, dev = run.args, run.device
     clock = StepClock(llm.engine.runner)
@@ -280,17 +296,11 @@ def dark_parts(run: Run, llm) -> None:
             run.fig(f"multi_adapter_ratio_{label}", round(base / times[f"mixed_{label}"], 3))
 
         for spec in a.multi_ab:  # the same batch with an environment setting changed, graphs captured anew
-            key, _, value = spec.partition("=")
-            before = os.environ.get(key)
-            os.environ[key] = value
             try:
-                eng.call_between_steps(eng.runner._drop_graphs).result()
-                mixed_once_more(spec)
+                with env_setting(spec):
+                    eng.call_between_steps(eng.runner._drop_graphs).result()
+                    mixed_once_more(spec)
             finally:
-                if before is None:
-                    os.environ.pop(key)
-                else:
-                    os.environ[key] = before
                 eng.call_between_steps(eng.runner._drop_graphs).result()
         if a.lora_variants and default_fused is not None:
             lora_variant(not default_fused)
@@ -371,16 +381,8 @@ def dark_parts(run: Run, llm) -> None:
                     run.fig("decode_p99_ratio_during_training", by_sms[key]["p99_ratio"])
                     run.fig("train_ratio_during_decode", by_sms[key]["train_ratio"])
                     for spec in a.during_ab:  # the same, with an environment setting changed (the trainer's knobs)
-                        env, _, value = spec.partition("=")
-                        before = os.environ.get(env)
-                        os.environ[env] = value
-                        try:
+                        with env_setting(spec):
                             bench_dark_decode(llm, clock, train_args, dev, sub, run.save, solo.get("rate"))
-                        finally:
-                            if before is None:
-                                os.environ.pop(env)
-                            else:
-                                os.environ[env] = before
                         d = sub["decode"][-1]
                         by_sms[f"{n}-{spec}"] = {
                             "p99_ratio": round(d["while_training"]["p99_ms"] / d["solo"]["p99_ms"], 3),
