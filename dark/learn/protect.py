@@ -138,7 +138,7 @@ class Protector:
             self._stream = torch.cuda.Stream(like.device)
         # not before the device has reached this point of the current stream (the work on the bases before): the
         # host runs through the loop in a few ms, and without it every basis (1.2 GB at 7B, ~24 ms of the bus) would
-        # queue at once, ahead of serving's own small copies of each step's inputs (decode p99 2.8x, measured)
+        # be allocated and queued at once, ahead of serving's own small copies of each step's inputs
         self._stream.wait_stream(torch.cuda.current_stream(like.device))
         with torch.cuda.stream(self._stream):
             moved = v.to(like.device, non_blocking=True)
