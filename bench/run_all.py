@@ -362,19 +362,22 @@ def dark_parts(run: Run, llm) -> None:
         # are in the details, one row per setting: SMs the trainer may use (a green context), 0 = all of them
         # (--split-ab: each setting again with the other DARK_SPLIT_SMS, its row named N-split or N-unsplit)
         learner, by_sms = llm.learner, {}
-        given = os.environ.get("DARK_SPLIT_SMS")
-        default = given or "0"
+        default = os.environ.get("DARK_SPLIT_SMS") or "0"
+
+        def measured() -> dict:  # decode during training once more: its ratios to solo
+            bench_dark_decode(llm, clock, train_args, dev, sub, run.save, solo.get("rate"))
+            d = sub["decode"][-1]
+            return {"p99_ratio": round(d["while_training"]["p99_ms"] / d["solo"]["p99_ms"], 3),
+                    "p50_ratio": round(d["while_training"]["p50_ms"] / d["solo"]["p50_ms"], 3),
+                    "train_ratio": d["train_ratio"]}
+
         for n in a.train_sms:
             for split in (default, "1" if default == "0" else "0") if a.split_ab else (default,):
-                os.environ["DARK_SPLIT_SMS"] = split
-                learner.set_train_sms(n)
-                bench_dark_decode(llm, clock, train_args, dev, sub, run.save, solo.get("rate"))
-                d = sub["decode"][-1]
-                key = n if split == default else f"{n}-{'split' if split == '1' else 'unsplit'}"
-                by_sms[key] = {"p99_ratio": round(d["while_training"]["p99_ms"] / d["solo"]["p99_ms"], 3),
-                               "p50_ratio": round(d["while_training"]["p50_ms"] / d["solo"]["p50_ms"], 3),
-                               "train_ratio": d["train_ratio"], "green_context": learner._green is not None,
-                               "partition": repr(learner._green)}
+                with env_setting(f"DARK_SPLIT_SMS={split}"):
+                    learner.set_train_sms(n)
+                    key = n if split == default else f"{n}-{'split' if split == '1' else 'unsplit'}"
+                    by_sms[key] = {**measured(), "green_context": learner._green is not None,
+                                   "partition": repr(learner._green)}
                 print(json.dumps({"train_sms": key, **by_sms[key]}), flush=True)
                 run.report["details"]["during_training_by_sms"] = by_sms
                 if key == a.train_sms[0]:
@@ -382,17 +385,8 @@ def dark_parts(run: Run, llm) -> None:
                     run.fig("train_ratio_during_decode", by_sms[key]["train_ratio"])
                     for spec in a.during_ab:  # the same, with an environment setting changed (the trainer's knobs)
                         with env_setting(spec):
-                            bench_dark_decode(llm, clock, train_args, dev, sub, run.save, solo.get("rate"))
-                        d = sub["decode"][-1]
-                        by_sms[f"{n}-{spec}"] = {
-                            "p99_ratio": round(d["while_training"]["p99_ms"] / d["solo"]["p99_ms"], 3),
-                            "p50_ratio": round(d["while_training"]["p50_ms"] / d["solo"]["p50_ms"], 3),
-                            "train_ratio": d["train_ratio"]}
+                            by_sms[f"{n}-{spec}"] = measured()
                         print(json.dumps({"train_sms": f"{n}-{spec}", **by_sms[f"{n}-{spec}"]}), flush=True)
-        if given is None:
-            os.environ.pop("DARK_SPLIT_SMS", None)
-        else:
-            os.environ["DARK_SPLIT_SMS"] = given
         learner.set_train_sms(llm.engine.config.train_sms)
     run.part("decode_during_training", during)
 
