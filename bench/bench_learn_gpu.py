@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import shutil
 import statistics
@@ -304,7 +305,9 @@ def bench_dark_decode(llm, clock, args, device, report, save, solo_rate) -> None
     run_ours(llm, prompts_ids(args.streams, args.prompt_len, 2), 8)  # warm-up
     items = dark_items(args)
     big = 10**6
-    cfg = LearnConfig(max_steps=big, min_steps=big, kl_weight=0.0).validate()
+    # BENCH_LEARN_CONFIG: LearnConfig fields as JSON for the training beside decode (run_all.py --during-ab)
+    cfg = LearnConfig(max_steps=big, min_steps=big, kl_weight=0.0,
+                      **json.loads(os.environ.get("BENCH_LEARN_CONFIG") or "{}")).validate()
     runs, pooled = [], {"solo": [], "while_training": []}
     order = ["solo", "while_training"] * args.decode_rounds + (["solo"] if args.decode_rounds > 1 else [])
     for i, mode in enumerate(order):

@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_learn_gpu import dark_items, train_dark  # noqa: E402
 from probe_peak_memory import engine_7b  # noqa: E402
+from run_all import env_setting  # noqa: E402
 
 # (label, LearnConfig overrides, protector bases kept on the device)
 VARIANTS = [
@@ -34,7 +35,11 @@ VARIANTS = [
     ("default again", {}, None),
     ("flash attention (cuDNN's attention off)", {}, None),  # torch.backends.cuda.enable_cudnn_sdp
     ("default (torch's choice: cuDNN) once more", {}, None),
+    ("logits chunks of 256 rows", {"logits_chunk": 256}, None),
+    ("logits chunks of 512 rows", {"logits_chunk": 512}, None),
+    ("autograd through each logits chunk", {}, None),  # ENVS
 ]
+ENVS = {"autograd through each logits chunk": "DARK_HEAD_DIRECT=0"}  # a variant's environment setting
 
 
 def steps_of(llm, items, overrides: dict, steps: int) -> dict:
@@ -124,7 +129,8 @@ def main() -> None:
         torch.backends.cuda.enable_cudnn_sdp(not label.startswith("flash"))
         llm.learner.trainer._protectors.clear()  # refitted with this placement of the bases
         torch.cuda.reset_peak_memory_stats()
-        rec = steps_of(llm, items, overrides, a.steps)
+        with env_setting(ENVS.get(label, "DARK_NOOP=1")):
+            rec = steps_of(llm, items, overrides, a.steps)
         rec["tok_s"] = round(4096 / (rec["median_step_ms"] / 1000), 1)
         rec["peak_alloc_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         out["variants"][label] = rec
@@ -136,7 +142,8 @@ def main() -> None:
         settings = {label: overrides for label, overrides, _ in VARIANTS}
         for label in a.profile_variants:
             key = "profile" if label == "default" else f"profile ({label})"
-            out[key] = profiled(llm, items, overrides=settings[label], trace=a.trace)
+            with env_setting(ENVS.get(label, "DARK_NOOP=1")):
+                out[key] = profiled(llm, items, overrides=settings[label], trace=a.trace)
             a.trace = None
             print(key, json.dumps(out[key], indent=1)[:6000], flush=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -28,10 +28,11 @@ def llm(tiny_models, tmp_path_factory):
         yield llm
 
 
-def lora_on_everything(model, seed: int = 0) -> TrainLoRA:
-    """Random factors (B not zero, so every factor has a gradient) on every projection and the LM head."""
+def lora_on_everything(model, seed: int = 0, head: bool = True) -> TrainLoRA:
+    """Random factors (B not zero, so every factor has a gradient) on every projection and (head) the LM head."""
     cfg = model.config
-    weights = AdapterWeights.init(LoraConfig(r=4, target_modules=LORA_TARGETS).validate(), cfg.projection_shapes(),
+    targets = LORA_TARGETS if head else tuple(t for t in LORA_TARGETS if t != "lm_head")
+    weights = AdapterWeights.init(LoraConfig(r=4, target_modules=targets).validate(), cfg.projection_shapes(),
                                   cfg.num_layers, seed)
     gen = torch.Generator().manual_seed(seed)
     params = {k: (a.clone().requires_grad_(True), (torch.randn(b.shape, generator=gen) * 0.05).requires_grad_(True))
@@ -241,14 +242,17 @@ def test_passes_without_gradients_never_checkpoint(llm, monkeypatch):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("head", [True, False], ids=["head-trains", "head-frozen"])
 @pytest.mark.parametrize("chunk", [1, 4, 7, 1024])
-def test_chunked_logprobs_equal_the_full_log_softmax(llm, chunk):
+def test_chunked_logprobs_equal_the_full_log_softmax(llm, chunk, head):
     """The taught tokens' log-probabilities in chunks of rows (a chunk size that divides the rows or not, and
     one above them) equal the gather from the full log-softmax rows; so do each row's highest log-probability,
-    and, checkpointed, the gradients."""
+    and, checkpointed or not, the gradients. With the LM head frozen the chunks make their gradient in forward
+    (_HeadLogprobs); with factors on the head, autograd runs through each chunk."""
     tr = llm.learner.trainer
     rendered = [render(llm.tokenizer, c) for c in CONVS]
-    lora = lora_on_everything(tr.model)
+    lora = lora_on_everything(tr.model, head=head)
+    assert ((-1, "lm_head") in lora.params) == head
     # the full rows of every sequence: the plain log_softmax of all rows, as the trainer computed before
     full_chosen, full_owner, _, full = tr._token_logprobs(rendered, lora, LearnConfig(checkpoint_tokens=-1), full_from=0)
     assert len(full_chosen) > 7 and len(full_chosen) % 4 and len(full_chosen) % 7  # chunks that do not divide the rows
