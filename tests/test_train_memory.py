@@ -458,6 +458,11 @@ def test_prepared_lora_computes_what_the_per_call_casts_compute():
         lora = TrainLoRA(params, 0.5, outs)
         use = lora.prepared(torch.bfloat16) if prepare else lora
         assert (use is not lora) == prepare and lora.prepared(torch.float32) is lora
+        use.before_layer(0)  # what a pass does as it reaches each layer, and after the last
+        assert sorted(use.cast) == ([(0, "gate_up"), (0, "o_proj"), (0, "qkv")] if prepare else [])
+        use.before_layer(float("inf"))
+        assert sorted(use.cast) == ([(0, "gate_up"), (0, "o_proj"), (0, "qkv"), (1, "q_proj"), (1, "v_proj")]
+                                    if prepare else [])
         x8 = torch.randn(5, 8, generator=g).bfloat16()
         x12 = torch.randn(5, 12, generator=g).bfloat16()
         ys = [use.apply_group(layer, "qkv", x8, torch.randn(5, 20, generator=g).bfloat16()) for layer in (0, 1)]
@@ -618,3 +623,24 @@ def test_training_through_the_triton_kernels_matches_plain_torch(tiny_models, tm
             torch.testing.assert_close(results[key][0], plain[0], rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(results[key][1], plain[1], rtol=1e-5, atol=0)
             assert_grads_close(results[key][2], plain[2], rtol=1e-4)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_pass_makes_a_training_lora_ready_layer_by_layer(llm, grad):
+    """The model's pass calls TrainLoRA.before_layer before each layer, in order, and once after the last
+    (float("inf")), checkpointed or not, with gradients or without: where a step's projection and the casts run."""
+    tr = llm.learner.trainer
+    calls = []
+
+    class Recording(TrainLoRA):
+        def before_layer(self, layer):
+            calls.append(layer)
+            super().before_layer(layer)
+
+    ids = torch.arange(12)
+    for checkpoint in (True, False):
+        calls.clear()
+        with torch.enable_grad() if grad else torch.no_grad():
+            tr.model.hidden_states(ids, ids, SharedPrefixAttention(0, 1, 12, torch.device("cpu")),
+                                   Recording({}, 1.0), checkpoint=checkpoint)
+        assert calls == list(range(tr.model.config.num_layers)) + [float("inf")]
