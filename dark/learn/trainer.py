@@ -853,6 +853,8 @@ class Trainer:
                 if protector is not None:
                     with torch.no_grad():
                         lora.pending = protector.pending(list(params), a_factors, before)
+                    if os.environ.get("DARK_PROTECT_LAZY", "1") == "0":  # 0: all of it at the step's end (an A/B)
+                        lora.finish_pending()
                     del before
                 step += 1
                 losses.append(round(loss_total.item(), 5))
