@@ -176,6 +176,12 @@ class SharedPrefixAttention:
         p, b, n = self.prefix, self.batch, self.length
         heads, dim = q.shape[1], q.shape[2]
         gqa = k.shape[1] != heads
+        if not p:
+            # no shared prefix (a batch of unrelated sequences): causal attention per sequence, nothing to join. An
+            # empty prefix call would take SDPA's math path, ~20 host operator calls a layer for no work
+            qs, ks, vs = (t.view(b, n, t.shape[1], dim).transpose(1, 2) for t in (q, k, v))
+            return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa).transpose(1, 2).reshape(
+                b * n, heads, dim)
         pre = [t[:p].transpose(0, 1)[None] for t in (q, k, v)]  # [1, heads, p, dim]
         out_p = F.scaled_dot_product_attention(*pre, is_causal=True, enable_gqa=gqa)
         qs, ks, vs = (t[p:].view(b, n, t.shape[1], dim).transpose(1, 2) for t in (q, k, v))

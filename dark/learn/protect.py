@@ -188,6 +188,10 @@ class Pending:
         """Project every factor of the layers up to this one (float("inf"): all, the LM head's too)."""
         while self.next < len(self.bases) and self.bases[self.next][0] <= layer:
             _, _, users = self.bases[self.next]
+            if users[0][1].is_cuda:  # made on the stream of the step before, used (and freed) on this one
+                current = torch.cuda.current_stream(users[0][1].device)
+                for _, change in users:
+                    change.record_stream(current)
             w = self.protector._arrived(self.coming.pop(0), users[0][0])
             fixes = [_in_span(change, w) for _, change in users]
             del w

@@ -141,7 +141,9 @@ class TrainLoRA:
         self.params, self.scaling, self.outs = params, scaling, outs or {}
         self.cast: dict = {}  # see prepared()
         self.dtype: torch.dtype | None = None  # the precision of cast (None: no casts, the fp32 factors serve)
-        self.master = self  # the LoRA this one was prepared from: where the pending projection lives
+        self.master: TrainLoRA | None = None  # the LoRA this one was prepared from (None: itself), where the
+        # pending projection lives (not self: a reference cycle would keep the factors and their gradients alive
+        # until the garbage collector ran)
         self.pending = None  # a dark.learn.protect.Pending projection of the factors, done as the layers come
         self._uncast: list = []  # (layer order, layer) still to cast, in order
 
@@ -162,7 +164,7 @@ class TrainLoRA:
     def before_layer(self, layer: float) -> None:
         """Called by the model's pass before each layer (outside any checkpoint) and with float("inf") after the
         last: the pending projection of the factors up to this layer, then their casts for this pass."""
-        master = self.master
+        master = self.master or self
         if master.pending is not None:
             with torch.no_grad():
                 master.pending.until(layer)
@@ -173,10 +175,11 @@ class TrainLoRA:
 
     def finish_pending(self) -> None:
         """Every factor projected now (before its values leave the device or are copied)."""
-        if self.master.pending is not None:
+        master = self.master or self
+        if master.pending is not None:
             with torch.no_grad():
-                self.master.pending.finish()
-            self.master.pending = None
+                master.pending.finish()
+            master.pending = None
 
     def _cast_layer(self, layer: int) -> None:
         grouped = set()
