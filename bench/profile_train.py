@@ -38,10 +38,8 @@ VARIANTS = [
     ("logits chunks of 256 rows", {"logits_chunk": 256}, None),
     ("logits chunks of 512 rows", {"logits_chunk": 512}, None),
     ("autograd through each logits chunk", {}, None),  # ENVS
-    ("protector projection at the step's end", {}, None),  # ENVS
 ]
-ENVS = {"autograd through each logits chunk": "DARK_HEAD_DIRECT=0",  # a variant's environment setting
-        "protector projection at the step's end": "DARK_PROTECT_LAZY=0"}
+ENVS = {"autograd through each logits chunk": "DARK_HEAD_DIRECT=0"}  # a variant's environment setting
 
 
 def steps_of(llm, items, overrides: dict, steps: int) -> dict:

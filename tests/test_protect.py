@@ -94,39 +94,3 @@ def test_a_step_widens_one_basis_at_a_time(monkeypatch):
     for got, w in zip(a, want):
         torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-6)
     assert torch.equal(a[2], before[2])  # o_proj has no basis here: untouched
-
-
-def test_a_pending_projection_runs_as_the_pass_reaches_each_layer():
-    """A step's projection (Protector.pending) is done layer by layer as the next pass reaches each layer
-    (TrainLoRA.before_layer): a layer's A is projected before the pass casts it, later layers and the LM head are
-    not touched yet, and after the last layer every A is projected as project_updates would, and nothing is left
-    pending."""
-    from dark.learn.trainer import TrainLoRA
-
-    g = torch.Generator().manual_seed(1)
-    p = Protector(0.9)
-    keys = [(0, "q_proj"), (1, "q_proj"), (-1, "lm_head")]
-    for key in keys:
-        p.bases[key] = torch.linalg.qr(torch.randn(12, 4, generator=g))[0].bfloat16()
-    params = {k: (torch.randn(3, 12, generator=g).requires_grad_(), torch.randn(12, 3, generator=g).requires_grad_())
-              for k in keys}
-    start = [params[k][0].detach().clone() for k in keys]
-    with torch.no_grad():  # an optimizer step
-        for k in keys:
-            params[k][0].add_(0.1 * torch.randn(3, 12, generator=g))
-    stepped = [params[k][0].detach().clone() for k in keys]
-    want = [s + p.project(k, t - s) for k, t, s in zip(keys, stepped, start)]
-    lora = TrainLoRA(params, 1.0, {"q_proj": 12, "lm_head": 12})
-    lora.pending = p.pending(keys, [params[k][0] for k in keys], start)
-    ready = lora.prepared(torch.bfloat16)
-    ready.before_layer(0)
-    torch.testing.assert_close(params[keys[0]][0].detach(), want[0], rtol=1e-5, atol=1e-6)
-    assert not torch.equal(params[keys[0]][0].detach(), stepped[0])
-    assert torch.equal(ready.cast[(0, "q_proj")][0], params[keys[0]][0].detach().bfloat16())  # cast once projected
-    assert torch.equal(params[keys[1]][0].detach(), stepped[1]) and torch.equal(params[keys[2]][0].detach(), stepped[2])
-    assert set(ready.cast) == {(0, "q_proj")} and lora.pending is not None
-    ready.before_layer(float("inf"))
-    for k, w in zip(keys, want):
-        torch.testing.assert_close(params[k][0].detach(), w, rtol=1e-5, atol=1e-6)
-    assert lora.pending is None and set(ready.cast) == set(keys)
-    assert ready.cast[(-1, "lm_head")][0].requires_grad  # cast under autograd: backward reaches the master factor

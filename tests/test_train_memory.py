@@ -458,11 +458,6 @@ def test_prepared_lora_computes_what_the_per_call_casts_compute():
         lora = TrainLoRA(params, 0.5, outs)
         use = lora.prepared(torch.bfloat16) if prepare else lora
         assert (use is not lora) == prepare and lora.prepared(torch.float32) is lora
-        use.before_layer(0)  # what a pass does as it reaches each layer, and after the last
-        assert sorted(use.cast) == ([(0, "gate_up"), (0, "o_proj"), (0, "qkv")] if prepare else [])
-        use.before_layer(float("inf"))
-        assert sorted(use.cast) == ([(0, "gate_up"), (0, "o_proj"), (0, "qkv"), (1, "q_proj"), (1, "v_proj")]
-                                    if prepare else [])
         x8 = torch.randn(5, 8, generator=g).bfloat16()
         x12 = torch.randn(5, 12, generator=g).bfloat16()
         ys = [use.apply_group(layer, "qkv", x8, torch.randn(5, 20, generator=g).bfloat16()) for layer in (0, 1)]
@@ -623,43 +618,3 @@ def test_training_through_the_triton_kernels_matches_plain_torch(tiny_models, tm
             torch.testing.assert_close(results[key][0], plain[0], rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(results[key][1], plain[1], rtol=1e-5, atol=0)
             assert_grads_close(results[key][2], plain[2], rtol=1e-4)
-
-
-@pytest.mark.parametrize("grad", [True, False])
-def test_a_pass_makes_a_training_lora_ready_layer_by_layer(llm, grad):
-    """The model's pass calls TrainLoRA.before_layer before each layer, in order, and once after the last
-    (float("inf")), checkpointed or not, with gradients or without: where a step's projection and the casts run."""
-    tr = llm.learner.trainer
-    calls = []
-
-    class Recording(TrainLoRA):
-        def before_layer(self, layer):
-            calls.append(layer)
-            super().before_layer(layer)
-
-    ids = torch.arange(12)
-    for checkpoint in (True, False):
-        calls.clear()
-        with torch.enable_grad() if grad else torch.no_grad():
-            tr.model.hidden_states(ids, ids, SharedPrefixAttention(0, 1, 12, torch.device("cpu")),
-                                   Recording({}, 1.0), checkpoint=checkpoint)
-        assert calls == list(range(tr.model.config.num_layers)) + [float("inf")]
-
-
-def test_a_training_lora_goes_when_its_last_reference_does():
-    """TrainLoRA holds no reference cycle (its master is None, not itself): a job's factors and their gradients
-    (~0.3 GiB at 7B) are freed when the job returns, not whenever the garbage collector next runs."""
-    import gc
-    import weakref
-
-    params = {(0, "q_proj"): (torch.randn(2, 8, requires_grad=True), torch.randn(8, 2, requires_grad=True))}
-    gc.disable()
-    try:
-        lora = TrainLoRA(params, 1.0, {"q_proj": 8})
-        ready = lora.prepared(torch.bfloat16)
-        ready.before_layer(float("inf"))
-        refs = [weakref.ref(lora), weakref.ref(ready)]
-        del lora, ready
-        assert [r() for r in refs] == [None, None]
-    finally:
-        gc.enable()

@@ -99,14 +99,33 @@ class Protector:
 
     def project_updates(self, keys: list[tuple[int, str]], a: list[torch.Tensor], start: list[torch.Tensor]) -> None:
         """In place, for each key's A factor: a = start + (a - start) with the everyday directions removed from
-        each row's change, i.e. a -= P(a - start); all of them now (see pending() for layer by layer)."""
-        self.pending(keys, a, start).finish()
-
-    def pending(self, keys: list[tuple[int, str]], a: list[torch.Tensor], start: list[torch.Tensor]) -> "Pending":
-        """project_updates, done as the layers come (Pending.until): a training step's projection runs inside the
-        next pass's forward, layer by layer, so its bases cross the bus while the device computes the layers before
-        (not in a phase of its own at the step's end, ~1.2 GB at 7B). The changes are taken now: start can go."""
-        return Pending(self, keys, a, start)
+        each row's change, i.e. a -= P(a - start). The changes and the corrections go through one foreach op each,
+        and a basis that several projections share (q/k/v, gate/up) is moved and widened once: a step's ~200
+        projections cost two small GEMMs each, not eight ops."""
+        changes = torch._foreach_sub(a, start)
+        sharing: dict[int, tuple[torch.Tensor, list[int]]] = {}  # basis -> the projections it protects
+        for i, key in enumerate(keys):
+            v = self.bases.get(key)
+            if v is not None:
+                sharing.setdefault(id(v), (v, []))[1].append(i)
+        targets, fixes = [], []
+        bases = list(sharing.values())
+        # one widened basis at a time (all of a 7B model's at once would take ~2 GB of device memory); bases in
+        # pinned host memory come over on a side stream, AHEAD bases ahead of the one in use, so the bus stays busy
+        # while the device works on the one before
+        coming = [self._fetch(v, a[users[0]]) for v, users in bases[:self.AHEAD]]
+        for j, (v, users) in enumerate(bases):
+            w = self._arrived(coming[j], a[users[0]])
+            coming[j] = None
+            for i in users:
+                targets.append(a[i])
+                fixes.append(_in_span(changes[i], w))
+            del w
+            if j + self.AHEAD < len(bases):  # after this basis's work: its copy waits for it (_fetch)
+                ahead_v, ahead_users = bases[j + self.AHEAD]
+                coming.append(self._fetch(ahead_v, a[ahead_users[0]]))
+        if targets:
+            torch._foreach_sub_(targets, fixes)
 
     AHEAD = 2  # bases on their way while one is used (a 7B down_proj's is ~29 MB in bf16)
 
@@ -149,59 +168,6 @@ class Protector:
         """A basis on like's device in like's dtype: bases kept in pinned host memory cross as they are (bf16),
         then widen on the device."""
         return v.to(like.device, non_blocking=True).to(like.dtype)
-
-
-class Pending:
-    """A projection of A factors' changes (Protector.pending), done basis by basis in layer order as until() asks.
-
-    The changes and the corrections go through one foreach op per basis, and a basis that several projections
-    share (q/k/v, gate/up) is moved and widened once: ~200 projections a step cost two small GEMMs each. Bases in
-    pinned host memory come over on a side stream, Protector.AHEAD bases ahead of the one in use, so the bus stays
-    busy while the device works (one widened basis at a time: a 7B model's all at once would take ~2 GB)."""
-
-    def __init__(self, protector: Protector, keys: list[tuple[int, str]], a: list[torch.Tensor],
-                 start: list[torch.Tensor]):
-        self.protector = protector
-        changes = torch._foreach_sub(a, start)
-        sharing: dict[int, tuple[int, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
-        for key, factor, change in zip(keys, a, changes):
-            v = protector.bases.get(key)
-            if v is not None:
-                # the LM head (layer -1) comes after every layer
-                order = key[0] if key[0] >= 0 else float("inf")
-                sharing.setdefault(id(v), (order, v, []))[2].append((factor, change))
-        self.bases = sorted(sharing.values(), key=lambda b: b[0])  # stable: a layer's bases in the keys' order
-        self.next = 0
-        self.coming = []  # fetched bases, for self.bases[next:next + len(coming)]
-        self._fill()
-
-    def _fill(self) -> None:
-        while len(self.coming) < self.protector.AHEAD and self.next + len(self.coming) < len(self.bases):
-            _, v, users = self.bases[self.next + len(self.coming)]
-            self.coming.append(self.protector._fetch(v, users[0][0]))
-
-    @property
-    def done(self) -> bool:
-        return self.next >= len(self.bases)
-
-    def until(self, layer: float) -> None:
-        """Project every factor of the layers up to this one (float("inf"): all, the LM head's too)."""
-        while self.next < len(self.bases) and self.bases[self.next][0] <= layer:
-            _, _, users = self.bases[self.next]
-            if users[0][1].is_cuda:  # made on the stream of the step before, used (and freed) on this one
-                current = torch.cuda.current_stream(users[0][1].device)
-                for _, change in users:
-                    change.record_stream(current)
-            w = self.protector._arrived(self.coming.pop(0), users[0][0])
-            fixes = [_in_span(change, w) for _, change in users]
-            del w
-            torch._foreach_sub_([factor for factor, _ in users], fixes)
-            self.bases[self.next] = None  # its changes and fixes go
-            self.next += 1
-            self._fill()  # after this basis's work: its copy waits for it (_fetch)
-
-    def finish(self) -> None:
-        self.until(float("inf"))
 
 
 def _in_span(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

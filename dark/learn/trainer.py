@@ -82,11 +82,6 @@ class _HeadLogprobs(torch.autograd.Function):
         return (away.float() * -grad_chosen[:, None]).to(ctx.dtype), None, None
 
 
-def _order(layer: int) -> float:
-    """Where a factor's layer comes in a pass: the LM head (layer -1) after every layer."""
-    return layer if layer >= 0 else float("inf")
-
-
 def _head_trains(lora) -> bool:
     """Whether the LM head has factors in this LoRA (their gradients need the [rows, vocab] logits' gradient)."""
     return lora is not None and (not isinstance(lora, TrainLoRA) or (-1, "lm_head") in lora.params)
@@ -135,62 +130,32 @@ def _add_delta(y: torch.Tensor, codes: torch.Tensor, b_t: torch.Tensor) -> torch
 class TrainLoRA:
     """LoRA for training: one adapter's factors, applied to every token, differentiable."""
 
-    def __init__(self, params: dict, scaling: float, outs: dict[str, int] | None = None):
+    def __init__(self, params: dict, scaling: float, outs: dict[str, int] | None = None, cast: dict | None = None):
         """outs: each projection's output size (the model config's projection_shapes), which a fused group whose
-        members do not all have factors needs to split its output."""
+        members do not all have factors needs to split its output. cast: see prepared()."""
         self.params, self.scaling, self.outs = params, scaling, outs or {}
-        self.cast: dict = {}  # see prepared()
-        self.dtype: torch.dtype | None = None  # the precision of cast (None: no casts, the fp32 factors serve)
-        self.master: TrainLoRA | None = None  # the LoRA this one was prepared from (None: itself), where the
-        # pending projection lives (not self: a reference cycle would keep the factors and their gradients alive
-        # until the garbage collector ran)
-        self.pending = None  # a dark.learn.protect.Pending projection of the factors, done as the layers come
-        self._uncast: list = []  # (layer order, layer) still to cast, in order
+        self.cast = cast or {}
 
     def prepared(self, dtype: torch.dtype) -> "TrainLoRA":
-        """This LoRA made ready for one pass in the activations' precision (bf16 on a GPU): per projection A cast
-        and B scaled and cast; per fused group (q/k/v, gate/up) whose members all have factors, their A stacked
-        and their B as one block-diagonal matrix. Cast once per pass, not per layer call, so a checkpointed layer's
-        recompute in backward runs two GEMMs per projection and nothing else, and the casts' backward runs once.
-        A layer's factors are cast as the pass reaches it (before_layer), after the pending projection of its A.
-        The master factors, their gradients and the optimizer stay fp32; in fp32 it is self."""
+        """This LoRA with its factors made ready for one pass in the activations' precision (bf16 on a GPU): per
+        projection A cast and B scaled and cast; per fused group (q/k/v, gate/up) whose members all have factors,
+        their A stacked and their B as one block-diagonal matrix. Made once per pass, not per layer call, so a
+        checkpointed layer's recompute in backward runs two GEMMs per projection and nothing else, and the casts'
+        backward runs once. The master factors, their gradients and the optimizer stay fp32. In fp32 it is self."""
         if dtype not in (torch.bfloat16, torch.float16):
-            return self  # fp32: the factors themselves (before_layer still runs the pending projection)
-        ready = TrainLoRA(self.params, self.scaling, self.outs)
-        ready.master, ready.dtype = self, dtype
-        ready._uncast = sorted({(_order(layer), layer) for layer, _ in self.params})
-        return ready
-
-    def before_layer(self, layer: float) -> None:
-        """Called by the model's pass before each layer (outside any checkpoint) and with float("inf") after the
-        last: the pending projection of the factors up to this layer, then their casts for this pass."""
-        master = self.master or self
-        if master.pending is not None:
-            with torch.no_grad():
-                master.pending.until(layer)
-            if master.pending.done:
-                master.pending = None
-        while self._uncast and self._uncast[0][0] <= layer:
-            self._cast_layer(self._uncast.pop(0)[1])
-
-    def finish_pending(self) -> None:
-        """Every factor projected now (before its values leave the device or are copied)."""
-        master = self.master or self
-        if master.pending is not None:
-            with torch.no_grad():
-                master.pending.finish()
-            master.pending = None
-
-    def _cast_layer(self, layer: int) -> None:
+            return self
+        cast, layers = {}, {layer for layer, _ in self.params}
         grouped = set()
-        for group, members in MEMBERS.items():
-            ps = [self.params.get((layer, m)) for m in members]
-            if all(p is not None for p in ps):
-                self.cast[(layer, group)] = self._stacked(ps, self.dtype)
-                grouped.update((layer, m) for m in members)
+        for layer in layers:
+            for group, members in MEMBERS.items():
+                ps = [self.params.get((layer, m)) for m in members]
+                if all(p is not None for p in ps):
+                    cast[(layer, group)] = self._stacked(ps, dtype)
+                    grouped.update((layer, m) for m in members)
         for key, p in self.params.items():
-            if key[0] == layer and key not in grouped:
-                self.cast[key] = self._stacked([p], self.dtype)
+            if key not in grouped:
+                cast[key] = self._stacked([p], dtype)
+        return TrainLoRA(self.params, self.scaling, self.outs, cast)
 
     def _stacked(self, ps: list[tuple[torch.Tensor, torch.Tensor]],
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -744,9 +709,8 @@ class Trainer:
                 # change from zero, through project_updates (each shared basis crosses once, on its side stream)
                 fresh = [k for k, zero in zip(params, zero_b) if zero]
                 if fresh:
-                    # done as the first pass reaches each layer: the bases cross while the layers before compute
                     a_fresh = [params[k][0] for k in fresh]
-                    lora.pending = protector.pending(fresh, a_fresh, [torch.zeros_like(a) for a in a_fresh])
+                    protector.project_updates(fresh, a_fresh, [torch.zeros_like(a) for a in a_fresh])
         marks["protected"] = time.perf_counter()
         anchors = self.anchors(cfg.anchor_prompts) if cfg.kl_weight > 0 else []
         self._reference(items)
@@ -846,18 +810,15 @@ class Trainer:
                 if park is not None:
                     park.back(opt)
                 a_factors = [a for a, _ in params.values()]
-                lora.finish_pending()  # (the passes have done it: each ends with every layer's)
                 # A before the step (made here, after backward: not held through the passes). The step's change is
                 # kept out of the everyday directions; every earlier change was, so A's whole change since the job
-                # began stays out of them as well. The projection runs as the next pass reaches each layer
+                # began stays out of them as well
                 with torch.no_grad():
                     before = torch._foreach_mul(a_factors, 1.0) if protector is not None else None
                 opt.step()
                 if protector is not None:
                     with torch.no_grad():
-                        lora.pending = protector.pending(list(params), a_factors, before)
-                    if os.environ.get("DARK_PROTECT_LAZY", "1") == "0":  # 0: all of it at the step's end (an A/B)
-                        lora.finish_pending()
+                        protector.project_updates(list(params), a_factors, before)
                     del before
                 step += 1
                 losses.append(round(loss_total.item(), 5))
@@ -865,7 +826,6 @@ class Trainer:
                     park.out(opt, flat, self._park_stream())
                 if on_step:
                     on_step(step, losses[-1])
-        lora.finish_pending()  # a job that stopped without another pass after its last step
         marks["trained"] = time.perf_counter()
         host = iter(to_host([t.detach() for k in keys for t in params[k]], self._staging))
         out = AdapterWeights(weights.config, {k: (next(host), next(host)) for k in keys}, weights.scaling)

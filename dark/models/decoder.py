@@ -511,17 +511,12 @@ class CausalLM(nn.Module):
         """
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        # a training LoRA's factors made ready layer by layer as the pass reaches them (TrainLoRA.before_layer:
-        # their pending projection and their casts), outside any checkpoint; float("inf"): after the last layer
-        before = getattr(lora, "before_layer", None) or (lambda layer: None)
         if self.model.norm.fused and not torch.is_grad_enabled():
             # the residual adds folded into the next norm's launch (add_rms_norm): 2 launches fewer a layer, the
             # same values; the last MLP's output is added in the final norm's
             pending = None
-            for i, layer in enumerate(self.model.layers):
-                before(i)
+            for layer in self.model.layers:
                 x, pending = layer(x, cos, sin, attn, lora, pending, True)
-            before(float("inf"))
             if pending is None:
                 return self.model.norm(x)
             return self.model.norm.add_forward(x, pending, delta_lora=_take_deferred(lora))[0]
@@ -531,8 +526,7 @@ class CausalLM(nn.Module):
             # backward then reaches the LoRA factors used inside): the embeddings are frozen, so their output
             # is made to need one
             x = x.detach().requires_grad_()
-        for i, layer in enumerate(self.model.layers):
-            before(i)
+        for layer in self.model.layers:
             if remat:
                 # reentrant: the first run is a plain pass without autograd, and the second an ordinary forward
                 # and backward; the non-reentrant form hooks every tensor saved in both runs (in Python: ~4x
@@ -543,7 +537,6 @@ class CausalLM(nn.Module):
                                                           use_reentrant=True, preserve_rng_state=False)
             else:
                 x = layer(x, cos, sin, attn, lora)
-        before(float("inf"))
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor, lora: LoRA | None = None) -> torch.Tensor:
