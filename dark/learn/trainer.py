@@ -542,6 +542,20 @@ class Trainer:
         rows, targets, owner = self._targets([r.labels for r in rendered], p, n)
         # rows are in sequence order: those of the sequences before full_from come first
         split = len(rows) if full_from is None else sum(label != -100 for r in rendered[:full_from] for label in r.labels[1:])
+        # on the stream of the moment, picked now: a step that began while nothing was served must not keep all the
+        # SMs for its loss once requests have arrived (the layers pick theirs as they run)
+        with self._step_stream() as moved:
+            out = self._logprob_rows(hidden, rows, targets, split, remat, lora, cfg, full_from)
+        if moved is not None:  # made there, read here next: not handed out again there before this stream is done
+            around = torch.cuda.current_stream(self.device)
+            for t in out:
+                if t is not None:
+                    t.record_stream(around)
+        chosen, top, full = out
+        return chosen, owner, top, full
+
+    def _logprob_rows(self, hidden, rows, targets, split: int, remat: bool, lora, cfg: LearnConfig,
+                      full_from: int | None):
         chosen, top = [], []
         # a frozen head under gradients: the gradient's direction made in forward (_HeadLogprobs), no checkpoint
         direct = torch.is_grad_enabled() and hidden.requires_grad and not _head_trains(lora)
@@ -562,7 +576,7 @@ class Trainer:
             full = torch.log_softmax(self.model.logits(hidden[rows[split:]], lora), -1)
             chosen.append(full.gather(1, targets[split:, None])[:, 0])
             top.append(full.detach().max(-1).values)
-        return torch.cat(chosen), owner, torch.cat(top), full
+        return torch.cat(chosen), torch.cat(top), full
 
     def protector(self, energy: float) -> Protector | None:
         """The everyday subspaces of the base model (fitted on first use, then kept): see dark.learn.protect."""
@@ -805,21 +819,22 @@ class Trainer:
                             loss_s.backward()
                         loss_total = loss_total + loss_s.detach()
                 step_items.append(len(batch) + len(slipped))
-                torch.nn.utils.clip_grad_norm_(flat, cfg.max_grad_norm)
-                load_moments()
-                if park is not None:
-                    park.back(opt)
-                a_factors = [a for a, _ in params.values()]
-                # A before the step (made here, after backward: not held through the passes). The step's change is
-                # kept out of the everyday directions; every earlier change was, so A's whole change since the job
-                # began stays out of them as well
-                with torch.no_grad():
-                    before = torch._foreach_mul(a_factors, 1.0) if protector is not None else None
-                opt.step()
-                if protector is not None:
+                with self._step_stream():  # picked now, as the loss's: requests may have come since the step began
+                    torch.nn.utils.clip_grad_norm_(flat, cfg.max_grad_norm)
+                    load_moments()
+                    if park is not None:
+                        park.back(opt)
+                    a_factors = [a for a, _ in params.values()]
+                    # A before the step (made here, after backward: not held through the passes). The step's change
+                    # is kept out of the everyday directions; every earlier change was, so A's whole change since
+                    # the job began stays out of them as well
                     with torch.no_grad():
-                        protector.project_updates(list(params), a_factors, before)
-                    del before
+                        before = torch._foreach_mul(a_factors, 1.0) if protector is not None else None
+                    opt.step()
+                    if protector is not None:
+                        with torch.no_grad():
+                            protector.project_updates(list(params), a_factors, before)
+                        del before
                 step += 1
                 losses.append(round(loss_total.item(), 5))
                 if park is not None and step < cfg.max_steps:  # another step may follow: its passes run without them
@@ -860,17 +875,17 @@ class Trainer:
         mid-step (a checkpointed layer's backward runs its recompute, and so its backward, on the stream picked
         then: autograd runs a backward operation on its forward's stream)."""
         if self.stream is None:
-            yield
+            yield None
             return
         busy = self.shared_stream is not None and self.serving_busy()
         stream = self.shared_stream if busy else self.stream
         around = torch.cuda.current_stream(self.device)
         if stream == around:
-            yield
+            yield None
             return
         stream.wait_stream(around)
         with torch.cuda.stream(stream):
-            yield
+            yield stream  # the stream switched to (None: the one around)
         around.wait_stream(stream)
 
     def _confirm(self, checked: list[Item], anchors: list[Item], lora, threshold: float,
