@@ -534,8 +534,10 @@ class Trainer:
         rows of the sequences numbered full_from and up (None: no rows).
 
         Only those full rows (anchors: a few dozen) exist as [rows, vocab] distributions. The taught rows are
-        reduced to the target's logit and the logsumexp cfg.logits_chunk rows at a time; in a checkpointed
-        pass each chunk keeps only its hidden rows for backward and makes its logits again there.
+        reduced to the target's logit and the logsumexp cfg.logits_chunk rows at a time. Under gradients with a
+        frozen head each chunk makes its gradient's direction in forward and keeps only that (_HeadLogprobs); with
+        factors on the head, a checkpointed pass keeps each chunk's hidden rows and makes its logits again in
+        backward.
         """
         cfg = cfg or LearnConfig()
         hidden, p, n, remat = self._forward(rendered, lora, cfg.checkpoint_tokens, cfg.inputs_to_host_tokens)
