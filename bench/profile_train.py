@@ -38,8 +38,13 @@ VARIANTS = [
     ("logits chunks of 256 rows", {"logits_chunk": 256}, None),
     ("logits chunks of 512 rows", {"logits_chunk": 512}, None),
     ("autograd through each logits chunk", {}, None),  # ENVS
+    ("layers through the reentrant checkpoint", {}, None),  # ENVS
 ]
-ENVS = {"autograd through each logits chunk": "DARK_HEAD_DIRECT=0"}  # a variant's environment setting
+ENVS = {"autograd through each logits chunk": "DARK_HEAD_DIRECT=0",  # a variant's environment setting
+        "layers through the reentrant checkpoint": "DARK_LAYER_PASS=0"}
+
+
+ALLOCATOR = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
 
 
 def steps_of(llm, items, overrides: dict, steps: int) -> dict:
@@ -48,11 +53,46 @@ def steps_of(llm, items, overrides: dict, steps: int) -> dict:
     cfg = LearnConfig(max_steps=steps, min_steps=steps, kl_weight=0.0, **overrides).validate()
     stamps = []
     torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()
     t = time.perf_counter()
     train_dark(llm, items, cfg, lambda step, loss: stamps.append(time.perf_counter()))
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    after = torch.cuda.memory_stats()
+    # the caching allocator's trips to the driver over the job: a cudaFree (a retry after a failed allocation, or
+    # a release of cached blocks) waits for the whole device, which leaves the stream waiting for the host
     return {"first_step_s": round(stamps[0] - t, 3), "step_ms": [round(1000 * g, 1) for g in gaps],
-            "median_step_ms": round(1000 * statistics.median(gaps), 1)}
+            "median_step_ms": round(1000 * statistics.median(gaps), 1),
+            "allocator": {k: after.get(k, 0) - before.get(k, 0) for k in ALLOCATOR}}
+
+
+def host_syncs(llm, items, overrides: dict | None = None) -> dict:
+    """One job of two steps with torch's sync debug mode on: each operation that makes the host wait for the device
+    (an .item(), a copy to pageable memory, a nonzero, ...), counted by the innermost dark frame that called it."""
+    import traceback
+    import warnings
+
+    from dark.config import LearnConfig
+
+    cfg = LearnConfig(max_steps=2, min_steps=2, kl_weight=0.0, **(overrides or {})).validate()
+    where: collections.Counter = collections.Counter()
+    shown = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "/dark/" in f.filename or "/bench/" in f.filename]
+        f = frames[-1] if frames else None
+        where[f"{Path(f.filename).name}:{f.lineno} {f.name}" if f else f"{filename}:{lineno}"] += 1
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            train_dark(llm, items, cfg, None)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            warnings.showwarning = shown
+    return {"syncs": sum(where.values()), "by_caller": where.most_common(40)}
 
 
 CATEGORIES = [  # (category, substrings of a kernel's name), first match wins
@@ -91,6 +131,9 @@ def profiled(llm, items, steps: int = 2, overrides: dict | None = None, trace: P
         prof.export_chrome_trace(str(trace))
     ev = prof.key_averages()
     kernels = [e for e in ev if e.device_time_total > 0 and "CUDA" in str(getattr(e, "device_type", ""))]
+    # the CUDA runtime calls the host made (launches, copies, syncs, allocations): count and host time
+    runtime = sorted((e for e in ev if e.key.startswith("cuda") and e.device_time_total == 0),
+                     key=lambda e: -e.cpu_time_total)
     ops = [e for e in ev if e.key.startswith("aten::")]
     gpu = sum(e.device_time_total for e in kernels) / 1000
     by_count = collections.Counter({e.key: e.count for e in ops})
@@ -102,7 +145,9 @@ def profiled(llm, items, steps: int = 2, overrides: dict | None = None, trace: P
             "kernel_launches": sum(e.count for e in kernels), "aten_calls": sum(by_count.values()),
             "ms_by_category": {k: round(v, 1) for k, v in cats.most_common()},
             "top_kernels": [{"name": e.key[:100], "count": e.count, "ms": round(e.device_time_total / 1000, 2)} for e in top],
-            "top_ops_by_count": by_count.most_common(30)}
+            "top_ops_by_count": by_count.most_common(30),
+            "runtime_calls": [{"name": e.key, "count": e.count, "host_ms": round(e.cpu_time_total / 1000, 2)}
+                              for e in runtime[:20]]}
 
 
 def main() -> None:
@@ -115,6 +160,7 @@ def main() -> None:
     ap.add_argument("--profile-variants", nargs="*", default=["default"],
                     help="labels of VARIANTS (without protector bases) to profile, each in its own profile")
     ap.add_argument("--trace", type=Path, help="write the first profile's timeline here (.json.gz)")
+    ap.add_argument("--syncs", action="store_true", help="count the default's host syncs (torch's sync debug mode)")
     a = ap.parse_args()
     from dark.learn import protect
 
@@ -138,6 +184,9 @@ def main() -> None:
     protect.DEVICE_BASES = default_bases
     torch.backends.cuda.enable_cudnn_sdp(True)
     llm.learner.trainer._protectors.clear()
+    if a.syncs:
+        out["host_syncs"] = host_syncs(llm, items)
+        print("host syncs", json.dumps(out["host_syncs"], indent=1), flush=True)
     if not a.no_profile:
         settings = {label: overrides for label, overrides, _ in VARIANTS}
         for label in a.profile_variants:

@@ -372,11 +372,16 @@ class _RMSNormTrain(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         x2, weight = ctx.saved_tensors
-        dy2 = _rows(dy)
-        dx = torch.empty(x2.shape, device=x2.device, dtype=x2.dtype)
-        _rms_norm_bwd_kernel[(x2.shape[0],)](x2, weight, dy2, dx, x2.shape[1], x2.stride(0), dy2.stride(0),
-                                             dx.stride(0), ctx.eps, BN=triton.next_power_of_2(x2.shape[1]))
-        return dx.view(dy.shape), None, None
+        return rms_norm_backward(x2, weight, dy, ctx.eps), None, None
+
+
+def rms_norm_backward(x, weight, dy, eps):
+    """The gradient of rms_norm(x, weight, eps) for x, given the output's dy (weight frozen): one launch."""
+    x2, dy2 = _rows(x), _rows(dy)
+    dx = torch.empty(x2.shape, device=x2.device, dtype=x2.dtype)
+    _rms_norm_bwd_kernel[(x2.shape[0],)](x2, weight, dy2, dx, x2.shape[1], x2.stride(0), dy2.stride(0),
+                                         dx.stride(0), eps, BN=triton.next_power_of_2(x2.shape[1]))
+    return dx.view(dy.shape)
 
 
 def rms_norm_train(x, weight, eps):
@@ -414,37 +419,46 @@ def _heads(y, start, n, d):
 class _QKVRotaryTrain(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, nh, nkv, d, cos, sin):
-        assert y.dim() == 2 and y.shape[1] == (nh + 2 * nkv) * d
-        y = y if y.stride(1) == 1 else y.contiguous()
-        t = y.shape[0]
-        q = _rotary_into(_heads(y, 0, nh, d), cos, sin, y.new_empty(t, nh, d), 1.0)
-        k = _rotary_into(_heads(y, nh, nkv, d), cos, sin, y.new_empty(t, nkv, d), 1.0)
-        v = _heads(y, nh + nkv, nkv, d).clone(memory_format=torch.contiguous_format)  # a copy, never a view of y
         ctx.heads = (nh, nkv, d)
         ctx.save_for_backward(cos, sin)
         ctx.set_materialize_grads(False)  # an unused output's gradient comes as None, not as a tensor of zeros
-        return q, k, v
+        return qkv_rotary_split(y, nh, nkv, d, cos, sin)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dq, dk, dv):
         cos, sin = ctx.saved_tensors
-        nh, nkv, d = ctx.heads
-        like = next(g for g in (dq, dk, dv) if g is not None)
-        dy = torch.empty(like.shape[0], (nh + 2 * nkv) * d, device=like.device, dtype=like.dtype)
-        # each gradient straight into its columns of dy: q and k rotated back, v as it is, zeros for one unused
-        for grad, start, n in ((dq, 0, nh), (dk, nh, nkv)):
-            dst = _heads(dy, start, n, d)
-            if grad is None:
-                dst.zero_()
-            else:
-                _rotary_into(grad if grad.stride(2) == 1 else grad.contiguous(), cos, sin, dst, -1.0)
-        dst = _heads(dy, nh + nkv, nkv, d)
-        if dv is None:
+        return qkv_rotary_backward(dq, dk, dv, cos, sin, *ctx.heads), None, None, None, None, None
+
+
+def qkv_rotary_split(y, nh, nkv, d, cos, sin):
+    """qkv_rotary_train's values without autograd: (q rotated, k rotated, v), each a new contiguous tensor."""
+    assert y.dim() == 2 and y.shape[1] == (nh + 2 * nkv) * d
+    y = y if y.stride(1) == 1 else y.contiguous()
+    t = y.shape[0]
+    q = _rotary_into(_heads(y, 0, nh, d), cos, sin, y.new_empty(t, nh, d), 1.0)
+    k = _rotary_into(_heads(y, nh, nkv, d), cos, sin, y.new_empty(t, nkv, d), 1.0)
+    v = _heads(y, nh + nkv, nkv, d).clone(memory_format=torch.contiguous_format)  # a copy, never a view of y
+    return q, k, v
+
+
+def qkv_rotary_backward(dq, dk, dv, cos, sin, nh, nkv, d):
+    """The gradient of qkv_rotary_split for its y, given the gradients of q, k and v (None: unused): one [T, width]
+    tensor, each gradient written straight into its columns (q and k rotated back, v as it is)."""
+    like = next(g for g in (dq, dk, dv) if g is not None)
+    dy = torch.empty(like.shape[0], (nh + 2 * nkv) * d, device=like.device, dtype=like.dtype)
+    for grad, start, n in ((dq, 0, nh), (dk, nh, nkv)):
+        dst = _heads(dy, start, n, d)
+        if grad is None:
             dst.zero_()
         else:
-            dst.copy_(dv)
-        return dy, None, None, None, None, None
+            _rotary_into(grad if grad.stride(2) == 1 else grad.contiguous(), cos, sin, dst, -1.0)
+    dst = _heads(dy, nh + nkv, nkv, d)
+    if dv is None:
+        dst.zero_()
+    else:
+        dst.copy_(dv)
+    return dy
 
 
 def qkv_rotary_train(y, nh, nkv, d, cos, sin):
@@ -465,14 +479,18 @@ class _SiluMulTrain(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         gate_up, = ctx.saved_tensors
-        size, block = ctx.size, ctx.block
-        gu, dy2 = _rows(gate_up), _rows(dy)
-        # reuse: the gradient overwrites the saved gate_up (each program reads its gate, up and dy blocks before it
-        # writes those places), so a layer's backward holds one [T, 2 * size] tensor here, not two
-        dgu = gu if ctx.reuse else torch.empty(gu.shape, device=gu.device, dtype=gu.dtype)
-        _silu_mul_bwd_kernel[(gu.shape[0], triton.cdiv(size, block))](gu, dy2, dgu, size, gu.stride(0),
-                                                                      dy2.stride(0), dgu.stride(0), BLOCK=block)
-        return dgu.view(gate_up.shape), None, None, None
+        return silu_mul_backward(gate_up, dy, ctx.size, ctx.block, ctx.reuse), None, None, None
+
+
+def silu_mul_backward(gate_up, dy, size, block=1024, reuse: bool = False):
+    """The gradient of silu_mul(gate_up, size) for gate_up, given the output's dy: one [..., 2 * size] tensor
+    (dgate, dup) in one launch. reuse: written over gate_up (each program reads its gate, up and dy blocks before
+    it writes those places), so a layer's backward holds one [T, 2 * size] tensor here, not two."""
+    gu, dy2 = _rows(gate_up), _rows(dy)
+    dgu = gu if reuse else torch.empty(gu.shape, device=gu.device, dtype=gu.dtype)
+    _silu_mul_bwd_kernel[(gu.shape[0], triton.cdiv(size, block))](gu, dy2, dgu, size, gu.stride(0),
+                                                                  dy2.stride(0), dgu.stride(0), BLOCK=block)
+    return dgu.view(gate_up.shape)
 
 
 def silu_mul_train(gate_up, size, block=1024, reuse_input: bool = False):

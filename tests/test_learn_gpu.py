@@ -189,3 +189,48 @@ def test_checkpointed_layer_inputs_wait_on_the_host(tiny_models, tmp_path):
         den = sum(float((v - s).square().sum()) for k in start.tensors
                   for v, s in zip(out[False].weights.tensors[k], start.tensors[k]))
         assert (num / den) ** 0.5 < 1e-2, (num, den)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_hand_written_layer_backward_on_the_kernels(tiny_models, tmp_path, dtype, monkeypatch):
+    """dark.models.train_layer on CUDA, where it runs dark's Triton norm, rotary and SiLU kernels and their
+    backward kernels, and SDPA's fused attention: the hidden states and LoRA gradients of the reentrant checkpoint
+    (autograd through the same kernels' Functions), within the rounding of the dtype, for a shared-prefix batch."""
+    from dark.config import LoraConfig
+    from dark.engine.attention import SharedPrefixAttention
+    from dark.learn.trainer import TrainLoRA
+    from dark.lora.weights import AdapterWeights
+    from dark.models import train_layer
+
+    with OnlineLLM(str(tiny_models["qwen2"]), data_dir=tmp_path, device=DEVICE, dtype=dtype) as llm:
+        model, mc, dev = llm.model, llm.model.config, torch.device(DEVICE)
+        assert model.model.layers[0].self_attn.fused  # the kernels' path
+        dt = getattr(torch, dtype)
+        start = AdapterWeights.init(LoraConfig(target_modules=LORA_TARGETS).validate(), mc.projection_shapes(),
+                                    mc.num_layers, seed=3)
+        params = {k: (a.to(dev).requires_grad_(), (torch.randn_like(b) * 0.05).to(dev).requires_grad_())
+                  for k, (a, b) in start.tensors.items()}
+        lora = TrainLoRA(params, start.scaling, {m: o for m, (_, o) in mc.projection_shapes().items()})
+        prefix, batch, length = 40, 3, 300
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, mc.vocab_size, (prefix + batch * length,), generator=gen).to(dev)
+        pos = torch.tensor(list(range(prefix)) + list(range(prefix, prefix + length)) * batch, device=dev)
+        weight = torch.randn(prefix + batch * length, mc.hidden_size, generator=gen).to(dev)
+        attn = SharedPrefixAttention(prefix, batch, length, dev)
+        by_hand = []
+        counted = train_layer._LayerPass.apply
+        monkeypatch.setattr(train_layer._LayerPass, "apply", lambda *a: by_hand.append(1) or counted(*a))
+        hidden, grads = {}, {}
+        for form in ("1", "0"):
+            monkeypatch.setenv("DARK_LAYER_PASS", form)
+            for a, b in params.values():
+                a.grad = b.grad = None
+            h = model.hidden_states(ids, pos, attn, lora.prepared(dt), checkpoint=True)
+            (h.float() * weight).sum().backward()
+            hidden[form] = h.detach().float()
+            grads[form] = [t.grad.clone() for k, p in params.items() if k[1] != "lm_head" for t in p]
+            assert len(by_hand) == mc.num_layers  # the hand-written pass ran in every layer, once (form "1")
+        torch.testing.assert_close(hidden["1"], hidden["0"])  # the same kernels forward
+        num = sum(float((x - y).double().square().sum()) for x, y in zip(grads["1"], grads["0"]))
+        den = sum(float(x.double().square().sum()) for x in grads["0"])
+        assert den > 0 and (num / den) ** 0.5 < (1e-4 if dtype == "float32" else 2e-2), (num, den)

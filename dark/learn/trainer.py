@@ -166,6 +166,25 @@ class TrainLoRA:
         return (torch.cat([p[0] for p in ps]).to(dtype),
                 (torch.block_diag(*[p[1] for p in ps]) * self.scaling).to(dtype))
 
+    def layer_factors(self, layer: int, dtype: torch.dtype) -> dict | None:
+        """A decoder layer's factors per unit (dark.models.train_layer.UNITS: q/k/v, o_proj, gate/up, down_proj),
+        each (A, B scaled) in dtype, a fused group's stacked as in prepared(), or None for a unit without factors;
+        None if a fused group has factors on only some of its members (it goes member by member: apply_group)."""
+        out = {}
+        for unit in ("qkv", "o_proj", "gate_up", "down_proj"):
+            ready = self.cast.get((layer, unit))
+            if ready is not None and ready[0].dtype == dtype:
+                out[unit] = ready
+                continue
+            ps = [self.params.get((layer, m)) for m in MEMBERS.get(unit, (unit,))]
+            if any(p is None for p in ps):
+                if any(p is not None for p in ps):
+                    return None
+                out[unit] = None
+                continue
+            out[unit] = self._stacked(ps, dtype)
+        return out
+
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         ready = self.cast.get((layer, module))
         if ready is not None and ready[0].dtype == x.dtype:

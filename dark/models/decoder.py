@@ -24,6 +24,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from ..errors import ModelLoadError
+from . import train_layer
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -273,7 +274,7 @@ class RMSNorm(nn.Module):
             if not self.weight.requires_grad:
                 return kernels.rms_norm_train(x, self.weight, self.eps)
         dtype = x.dtype
-        x = x.float()
+        x = x.to(torch.promote_types(dtype, torch.float32))  # fp32 for half precision; fp64 stays
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
@@ -521,13 +522,20 @@ class CausalLM(nn.Module):
                 return self.model.norm(x)
             return self.model.norm.add_forward(x, pending, delta_lora=_take_deferred(lora))[0]
         remat = checkpoint and torch.is_grad_enabled()
-        if remat and not x.requires_grad:
+        # per layer under checkpointing: its factors for the hand-written backward (train_layer), or None (the
+        # reentrant checkpoint)
+        by_hand = [lora.layer_factors(layer.self_attn.layer, x.dtype)
+                   if remat and train_layer.applies(layer, lora, x) else None for layer in self.model.layers]
+        if remat and not x.requires_grad and any(f is None for f in by_hand):
             # the reentrant checkpoint below gives a gradient only to outputs of an input that needs one (its
             # backward then reaches the LoRA factors used inside): the embeddings are frozen, so their output
             # is made to need one
             x = x.detach().requires_grad_()
-        for layer in self.model.layers:
-            if remat:
+        for layer, factors in zip(self.model.layers, by_hand):
+            if factors is not None:
+                with saved.keeping(x) if saved is not None else nullcontext():
+                    x = train_layer.layer_pass(layer, x, cos, sin, attn, factors, layer_context)
+            elif remat:
                 # reentrant: the first run is a plain pass without autograd, and the second an ordinary forward
                 # and backward; the non-reentrant form hooks every tensor saved in both runs (in Python: ~4x
                 # the Python calls of a training step). The layers hold no randomness: no RNG state to stash
