@@ -39,9 +39,11 @@ VARIANTS = [
     ("logits chunks of 512 rows", {"logits_chunk": 512}, None),
     ("autograd through each logits chunk", {}, None),  # ENVS
     ("layers through the reentrant checkpoint", {}, None),  # ENVS
+    ("projection in the step", {}, None),  # ENVS
 ]
 ENVS = {"autograd through each logits chunk": "DARK_HEAD_DIRECT=0",  # a variant's environment setting
-        "layers through the reentrant checkpoint": "DARK_LAYER_PASS=0"}
+        "layers through the reentrant checkpoint": "DARK_LAYER_PASS=0",
+        "projection in the step": "DARK_PROTECT_AHEAD=0"}
 
 
 ALLOCATOR = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
@@ -63,6 +65,66 @@ def steps_of(llm, items, overrides: dict, steps: int) -> dict:
     return {"first_step_s": round(stamps[0] - t, 3), "step_ms": [round(1000 * g, 1) for g in gaps],
             "median_step_ms": round(1000 * statistics.median(gaps), 1),
             "allocator": {k: after.get(k, 0) - before.get(k, 0) for k in ALLOCATOR}}
+
+
+def phases(llm, items, steps: int = 4, overrides: dict | None = None) -> dict:
+    """Where a step's wall time goes without a profiler: the trainer's phases (forward, targets, loss, backward,
+    clip, optimizer, protector, the step's end) each timed on the host and, through CUDA events on the stream it
+    ran on, on the device, all on one clock (an event recorded at the step's start, when the device is idle after
+    the last step's loss sync, fixes the offset). Per phase: host ms, device ms from its start event to its end
+    event, and lag: how far the device was behind the host when the phase began (0: the device waited for the
+    host, whose calls were then the step's time)."""
+    from dark.config import LearnConfig
+    from dark.learn import protect, trainer
+
+    tr = llm.learner.trainer
+    marks: list = []  # (phase, host start, host end, start event, end event)
+    anchors: list = []  # (host time, event) at each step's start
+
+    def timed(name, fn):
+        def run(*args, **kwargs):
+            e0 = torch.cuda.Event(enable_timing=True)
+            e0.record()
+            h0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                h1 = time.perf_counter()
+                e1 = torch.cuda.Event(enable_timing=True)
+                e1.record()
+                marks.append((name, h0, h1, e0, e1))
+        return run
+
+    patched = [(trainer.Trainer, "_forward"), (trainer.Trainer, "_targets"), (trainer.Trainer, "_logprob_rows"),
+               (torch.Tensor, "backward"), (torch.nn.utils, "clip_grad_norm_"), (torch.optim.AdamW, "step"),
+               (protect.Protector, "project_updates")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in patched]
+    for owner, name, fn in saved:
+        setattr(owner, name, timed(name, fn))
+
+    def on_step(step, loss):
+        torch.cuda.synchronize()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        anchors.append((time.perf_counter(), e))
+        marks.append(("step end", anchors[-1][0], anchors[-1][0], e, e))
+
+    cfg = LearnConfig(max_steps=steps, min_steps=steps, kl_weight=0.0, **(overrides or {})).validate()
+    try:
+        train_dark(llm, items, cfg, on_step)
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+    torch.cuda.synchronize()
+    h_ref, e_ref = anchors[0]  # the device idle: the event's time is the host's
+    rows = []
+    for name, h0, h1, e0, e1 in marks:
+        if h0 < h_ref:
+            continue
+        g0, g1 = h_ref + e_ref.elapsed_time(e0) / 1000, h_ref + e_ref.elapsed_time(e1) / 1000
+        rows.append({"phase": name, "host_ms": round(1000 * (h1 - h0), 2), "device_ms": round(1000 * (g1 - g0), 2),
+                     "lag_ms": round(1000 * (g0 - h0), 2), "t_ms": round(1000 * (h0 - h_ref), 1)})
+    return {"rows": rows}
 
 
 def host_syncs(llm, items, overrides: dict | None = None) -> dict:
@@ -161,6 +223,7 @@ def main() -> None:
                     help="labels of VARIANTS (without protector bases) to profile, each in its own profile")
     ap.add_argument("--trace", type=Path, help="write the first profile's timeline here (.json.gz)")
     ap.add_argument("--syncs", action="store_true", help="count the default's host syncs (torch's sync debug mode)")
+    ap.add_argument("--phases", action="store_true", help="time the default's phases on the host and the device")
     a = ap.parse_args()
     from dark.learn import protect
 
@@ -184,6 +247,10 @@ def main() -> None:
     protect.DEVICE_BASES = default_bases
     torch.backends.cuda.enable_cudnn_sdp(True)
     llm.learner.trainer._protectors.clear()
+    if a.phases:
+        out["phases"] = phases(llm, items)
+        for r in out["phases"]["rows"]:
+            print(json.dumps(r), flush=True)
     if a.syncs:
         out["host_syncs"] = host_syncs(llm, items)
         print("host syncs", json.dumps(out["host_syncs"], indent=1), flush=True)
