@@ -234,3 +234,40 @@ def test_the_hand_written_layer_backward_on_the_kernels(tiny_models, tmp_path, d
         num = sum(float((x - y).double().square().sum()) for x, y in zip(grads["1"], grads["0"]))
         den = sum(float(x.double().square().sum()) for x in grads["0"])
         assert den > 0 and (num / den) ** 0.5 < (1e-4 if dtype == "float32" else 2e-2), (num, den)
+
+
+def test_the_projection_beside_the_next_pass_trains_the_same_weights(tiny_models, tmp_path, monkeypatch):
+    """With nothing served, a step's protector projection runs on a side stream beside the next pass, each layer's
+    share queued as that pass reaches the layer (PendingProjection): a job trains the weights it trains with the
+    projection inside the step (DARK_PROTECT_AHEAD=0), and its last check and the weights handed out come after
+    every layer's projection."""
+    from dark.config import LearnConfig, LoraConfig
+    from dark.learn import trainer as trainer_module
+    from dark.learn.data import normalize_examples
+    from dark.lora.weights import AdapterWeights
+
+    with OnlineLLM(str(tiny_models["qwen2"]), data_dir=tmp_path, device=DEVICE, dtype="float32") as llm:
+        tr, mc = llm.learner.trainer, llm.model.config
+        start = AdapterWeights.init(LoraConfig(target_modules=LORA_TARGETS).validate(), mc.projection_shapes(),
+                                    mc.num_layers, seed=5)
+        examples = normalize_examples([{"prompt": "A greeting in Zoggian", "response": "zog zog"}], "sft")
+        made = []
+        real = trainer_module.PendingProjection.__init__
+
+        def counted(self, *args):
+            made.append(1)
+            real(self, *args)
+        monkeypatch.setattr(trainer_module.PendingProjection, "__init__", counted)
+        out = {}
+        for ahead in ("1", "0"):
+            monkeypatch.setenv("DARK_PROTECT_AHEAD", ahead)
+            cfg = LearnConfig(max_steps=4, min_steps=4, kl_weight=0.0, checkpoint_tokens=0).validate()
+            assert cfg.protect_energy > 0
+            out[ahead] = tr.train(start, None, tr.build_items(examples, [], "sft", cfg), cfg)
+            if ahead == "1":
+                assert len(made) == 4, made  # one a step
+        assert made == [1] * 4  # none with the projection in the step
+        assert out["1"].losses == pytest.approx(out["0"].losses, rel=1e-5)
+        for k in start.tensors:
+            for u, v in zip(out["1"].weights.tensors[k], out["0"].weights.tensors[k]):
+                torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-6)
