@@ -266,7 +266,8 @@ class PendingProjection:
 
     def ensure(self, layer: int) -> None:
         if self.layers is not None and self.done < layer:
-            with torch.cuda.stream(self.stream):
+            # no_grad: the generator runs in the grad mode of the pass that resumes it; it changes the factors
+            with torch.cuda.stream(self.stream), torch.no_grad():
                 for done in self.layers:
                     self.done = done
                     if done >= layer:
