@@ -39,11 +39,9 @@ VARIANTS = [
     ("logits chunks of 512 rows", {"logits_chunk": 512}, None),
     ("autograd through each logits chunk", {}, None),  # ENVS
     ("layers through the reentrant checkpoint", {}, None),  # ENVS
-    ("projection in the step", {}, None),  # ENVS
 ]
 ENVS = {"autograd through each logits chunk": "DARK_HEAD_DIRECT=0",  # a variant's environment setting
-        "layers through the reentrant checkpoint": "DARK_LAYER_PASS=0",
-        "projection in the step": "DARK_PROTECT_AHEAD=0"}
+        "layers through the reentrant checkpoint": "DARK_LAYER_PASS=0"}
 
 
 ALLOCATOR = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")

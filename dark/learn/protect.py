@@ -99,29 +99,22 @@ class Protector:
 
     def project_updates(self, keys: list[tuple[int, str]], a: list[torch.Tensor], start: list[torch.Tensor]) -> None:
         """In place, for each key's A factor: a = start + (a - start) with the everyday directions removed from
-        each row's change, i.e. a -= P(a - start). See project_layers, which this runs to its end."""
-        for _ in self.project_layers(keys, a, start):
-            pass
-
-    def project_layers(self, keys: list[tuple[int, str]], a: list[torch.Tensor], start: list[torch.Tensor]):
-        """project_updates layer by layer, in layer order: a generator that yields each layer's index once that
-        layer's factors are projected (its work queued on the current stream), so a caller can hand each layer on
-        as it is done (the trainer's next forward, dark.learn.trainer.PendingProjection). The changes and the
-        corrections go through one foreach op each a layer, and a basis that several projections share (q/k/v,
-        gate/up) is moved and widened once and projects their stacked changes: a step's ~110 bases cost four small
-        GEMMs each. The host's calls are what this costs on a GPU (~15 a basis), so each one saved counts."""
+        each row's change, i.e. a -= P(a - start). The changes and the corrections go through one foreach op each,
+        and a basis that several projections share (q/k/v, gate/up) is moved and widened once and projects their
+        stacked changes: a step's ~110 bases cost four small GEMMs each. The host's calls are what this costs on a
+        GPU (~15 a basis; the GEMMs ~13 ms a 7B step), so each one saved counts."""
         changes = torch._foreach_sub(a, start)
         sharing: dict[int, tuple[torch.Tensor, list[int]]] = {}  # basis -> the projections it protects
         for i, key in enumerate(keys):
             v = self.bases.get(key)
             if v is not None:
                 sharing.setdefault(id(v), (v, []))[1].append(i)
-        bases = sorted(sharing.values(), key=lambda vu: keys[vu[1][0]][0])  # layer by layer
+        targets, fixes = [], []
+        bases = list(sharing.values())
         # one widened basis at a time (all of a 7B model's at once would take ~2 GB of device memory); bases in
         # pinned host memory come over on a side stream, AHEAD bases ahead of the one in use, so the bus stays busy
         # while the device works on the one before
         coming = [self._fetch(v, a[users[0]]) for v, users in bases[:self.AHEAD]]
-        targets, fixes = [], []
         for j, (v, users) in enumerate(bases):
             w = self._arrived(coming[j], a[users[0]])
             coming[j] = None
@@ -135,15 +128,8 @@ class Protector:
             if j + self.AHEAD < len(bases):  # after this basis's work: its copy waits for it (_fetch)
                 ahead_v, ahead_users = bases[j + self.AHEAD]
                 coming.append(self._fetch(ahead_v, a[ahead_users[0]]))
-            layer = keys[users[0]][0]
-            if j + 1 == len(bases):  # the last: nothing held while the caller keeps the generator (A's changes,
-                torch._foreach_sub_(targets, fixes)  # the start values: ~0.15 GB at 7B)
-                del targets, fixes, changes, start, a
-                yield layer
-            elif keys[bases[j + 1][1][0]][0] != layer:
-                torch._foreach_sub_(targets, fixes)
-                targets, fixes = [], []
-                yield layer
+        if targets:
+            torch._foreach_sub_(targets, fixes)
 
     AHEAD = 2  # bases on their way while one is used (a 7B down_proj's is ~29 MB in bf16)
 

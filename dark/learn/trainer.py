@@ -135,48 +135,27 @@ class TrainLoRA:
         members do not all have factors needs to split its output. cast: see prepared()."""
         self.params, self.scaling, self.outs = params, scaling, outs or {}
         self.cast = cast or {}
-        self.pending: PendingProjection | None = None  # the protector's projection still on its way (_train_loop)
-        self._lazy: tuple[torch.dtype, bool] | None = None  # prepared(): (dtype, grad mode) of the casts to make
-        self._built: set[int] = set()  # layers whose casts are made
-        self._modules: dict[int, list[str]] | None = None  # layer -> its modules with factors (made once)
 
     def prepared(self, dtype: torch.dtype) -> "TrainLoRA":
         """This LoRA with its factors made ready for one pass in the activations' precision (bf16 on a GPU): per
         projection A cast and B scaled and cast; per fused group (q/k/v, gate/up) whose members all have factors,
         their A stacked and their B as one block-diagonal matrix. Made once per pass, not per layer call, so a
         checkpointed layer's recompute in backward runs two GEMMs per projection and nothing else, and the casts'
-        backward runs once; each layer's are made when the pass first reaches it (after its share of a step's
-        projection: PendingProjection), under the grad mode of this call. The master factors, their gradients and
-        the optimizer stay fp32. In fp32 it is self."""
+        backward runs once. The master factors, their gradients and the optimizer stay fp32. In fp32 it is self."""
         if dtype not in (torch.bfloat16, torch.float16):
             return self
-        if self._modules is None:
-            self._modules = {}
-            for layer, module in self.params:
-                self._modules.setdefault(layer, []).append(module)
-        out = TrainLoRA(self.params, self.scaling, self.outs)
-        out.pending, out._lazy, out._modules = self.pending, (dtype, torch.is_grad_enabled()), self._modules
-        return out
-
-    def _ready(self, layer: int) -> None:
-        """Before a layer's factors are read in a pass: its share of the step's projection queued and waited for,
-        and its casts made (prepared())."""
-        if self.pending is not None:
-            self.pending.ensure(layer)
-        if self._lazy is None or layer in self._built:
-            return
-        self._built.add(layer)
-        dtype, grad = self._lazy
-        with torch.set_grad_enabled(grad):  # a checkpoint's first run has autograd off; the casts need it on
-            grouped = set()
+        cast, layers = {}, {layer for layer, _ in self.params}
+        grouped = set()
+        for layer in layers:
             for group, members in MEMBERS.items():
                 ps = [self.params.get((layer, m)) for m in members]
                 if all(p is not None for p in ps):
-                    self.cast[(layer, group)] = self._stacked(ps, dtype)
-                    grouped.update(members)
-            for module in self._modules.get(layer, ()):
-                if module not in grouped:
-                    self.cast[(layer, module)] = self._stacked([self.params[(layer, module)]], dtype)
+                    cast[(layer, group)] = self._stacked(ps, dtype)
+                    grouped.update((layer, m) for m in members)
+        for key, p in self.params.items():
+            if key not in grouped:
+                cast[key] = self._stacked([p], dtype)
+        return TrainLoRA(self.params, self.scaling, self.outs, cast)
 
     def _stacked(self, ps: list[tuple[torch.Tensor, torch.Tensor]],
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,21 +166,10 @@ class TrainLoRA:
         return (torch.cat([p[0] for p in ps]).to(dtype),
                 (torch.block_diag(*[p[1] for p in ps]) * self.scaling).to(dtype))
 
-    def by_hand(self, layer: int) -> bool:
-        """Whether the layer's factors fit dark.models.train_layer: no fused group adapted on only some members."""
-        for members in MEMBERS.values():
-            have = [(layer, m) in self.params for m in members]
-            if any(have) and not all(have):
-                return False
-        return True
-
     def layer_factors(self, layer: int, dtype: torch.dtype) -> dict | None:
         """A decoder layer's factors per unit (dark.models.train_layer.UNITS: q/k/v, o_proj, gate/up, down_proj),
         each (A, B scaled) in dtype, a fused group's stacked as in prepared(), or None for a unit without factors;
         None if a fused group has factors on only some of its members (it goes member by member: apply_group)."""
-        if not self.by_hand(layer):
-            return None
-        self._ready(layer)
         out = {}
         for unit in ("qkv", "o_proj", "gate_up", "down_proj"):
             ready = self.cast.get((layer, unit))
@@ -209,11 +177,15 @@ class TrainLoRA:
                 out[unit] = ready
                 continue
             ps = [self.params.get((layer, m)) for m in MEMBERS.get(unit, (unit,))]
-            out[unit] = None if ps[0] is None else self._stacked(ps, dtype)
+            if any(p is None for p in ps):
+                if any(p is not None for p in ps):
+                    return None
+                out[unit] = None
+                continue
+            out[unit] = self._stacked(ps, dtype)
         return out
 
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        self._ready(layer)
         ready = self.cast.get((layer, module))
         if ready is not None and ready[0].dtype == x.dtype:
             # the delta is added by the second GEMM itself, into y in place (y, the projection's own output, is read
@@ -234,7 +206,6 @@ class TrainLoRA:
         """The deltas of a fused group's members (q/k/v, gate/up) on their concatenated output y, so training runs
         the base model's fused GEMMs too: the members' A stacked into one GEMM, their B as one block-diagonal
         GEMM that adds into y. A group whose members do not all have factors goes member by member."""
-        self._ready(layer)
         ready = self.cast.get((layer, group))
         if ready is not None and ready[0].dtype == x.dtype:
             return _add_delta(y, x @ ready[0].t(), ready[1].t())
@@ -251,41 +222,6 @@ class TrainLoRA:
             return torch.cat(parts, 1)
         a, b = self._stacked(ps, x.dtype)
         return torch.addmm(y, x @ a.t(), b.t())
-
-
-class PendingProjection:
-    """A step's protector projection (Protector.project_layers) queued on a side stream layer by layer as the
-    next pass reaches each layer (TrainLoRA._ready), so it runs beside that pass's forward instead of between the
-    steps (its bases cross the bus, ~1.2 GB a 7B step). The stream that reads a layer waits for its event."""
-
-    def __init__(self, layers, stream: torch.cuda.Stream):
-        self.layers, self.stream = layers, stream  # layers: the generator, None once run to its end
-        self.done = -2  # the last layer projected (-1 is the LM head's, which has no basis)
-        self.event: torch.cuda.Event | None = None
-        self._waited: dict = {}  # stream -> the event it last waited for
-
-    def ensure(self, layer: int) -> None:
-        if self.layers is not None and self.done < layer:
-            # no_grad: the generator runs in the grad mode of the pass that resumes it; it changes the factors
-            with torch.cuda.stream(self.stream), torch.no_grad():
-                for done in self.layers:
-                    self.done = done
-                    if done >= layer:
-                        break
-                else:
-                    self.layers = None
-                self.event = torch.cuda.Event()
-                self.event.record(self.stream)
-        if self.event is not None:
-            current = torch.cuda.current_stream(self.stream.device)
-            if self._waited.get(current) is not self.event:
-                current.wait_event(self.event)
-                self._waited[current] = self.event
-
-    def finish(self) -> None:
-        """Every layer projected, and the current stream after it."""
-        self.ensure(1 << 30)
-        torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
 
 @dataclass
@@ -550,7 +486,6 @@ class Trainer:
         self._staging = Staging(pin=device.type == "cuda")
         self._moment_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._copy_stream: torch.cuda.Stream | None = None
-        self._side: torch.cuda.Stream | None = None  # where a step's projection runs beside the next pass
         self._inputs_to_host: InputsToHost | None = None  # made on the first checkpointed pass that uses it
         # while serving_busy() says requests are being served, steps run on shared_stream (a green context on
         # part of the SMs, dark.learn.jobs.training_stream) when one is set, else on self.stream
@@ -905,38 +840,21 @@ class Trainer:
                             loss_s.backward()
                         loss_total = loss_total + loss_s.detach()
                 step_items.append(len(batch) + len(slipped))
-                with self._step_stream() as moved:  # picked now, as the loss's: requests may have come since
+                with self._step_stream():  # picked now, as the loss's: requests may have come since the step began
                     torch.nn.utils.clip_grad_norm_(flat, cfg.max_grad_norm)
                     load_moments()
                     if park is not None:
                         park.back(opt)
-                    if lora.pending is not None:  # the last step's projection: done before this step changes A
-                        lora.pending.finish()
-                        lora.pending = None
                     a_factors = [a for a, _ in params.values()]
                     # A before the step (made here, after backward: not held through the passes). The step's change
                     # is kept out of the everyday directions; every earlier change was, so A's whole change since
-                    # the job began stays out of them as well. With nothing served (the trainer's own stream, all
-                    # the SMs) the projection runs on a side stream beside the next pass, layer by layer as that
-                    # pass reaches them (PendingProjection); while serving it runs here, on the shared SMs
-                    side = self._protect_stream() if protector is not None and moved is None and not self._busy() else None
+                    # the job began stays out of them as well
                     with torch.no_grad():
-                        if side is not None:
-                            side.wait_stream(torch.cuda.current_stream(self.device))
-                            with torch.cuda.stream(side):  # made there: freed there once the projection is done
-                                before = torch._foreach_mul(a_factors, 1.0)
-                            torch.cuda.current_stream(self.device).wait_stream(side)
-                        else:
-                            before = torch._foreach_mul(a_factors, 1.0) if protector is not None else None
+                        before = torch._foreach_mul(a_factors, 1.0) if protector is not None else None
                     opt.step()
                     if protector is not None:
                         with torch.no_grad():
-                            if side is not None:
-                                side.wait_stream(torch.cuda.current_stream(self.device))
-                                lora.pending = PendingProjection(
-                                    protector.project_layers(list(params), a_factors, before), side)
-                            else:
-                                protector.project_updates(list(params), a_factors, before)
+                            protector.project_updates(list(params), a_factors, before)
                         del before
                 step += 1
                 losses.append(round(loss_total.item(), 5))
@@ -944,9 +862,6 @@ class Trainer:
                     park.out(opt, flat, self._park_stream())
                 if on_step:
                     on_step(step, losses[-1])
-        if lora.pending is not None:  # a job that stops after a step's check: its projection done, then out
-            lora.pending.finish()
-            lora.pending = None
         marks["trained"] = time.perf_counter()
         host = iter(to_host([t.detach() for k in keys for t in params[k]], self._staging))
         out = AdapterWeights(weights.config, {k: (next(host), next(host)) for k in keys}, weights.scaling)
@@ -971,17 +886,6 @@ class Trainer:
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
         with ctx:
             return {**state, "state": _state_to_host(state["state"], self._staging)}
-
-    def _busy(self) -> bool:
-        return self.shared_stream is not None and self.serving_busy()
-
-    def _protect_stream(self) -> torch.cuda.Stream | None:
-        """The side stream of a step's projection (CUDA; DARK_PROTECT_AHEAD=0, an A/B: none, it runs in the step)."""
-        if self.device.type != "cuda" or os.environ.get("DARK_PROTECT_AHEAD", "1") == "0":
-            return None
-        if self._side is None:
-            self._side = torch.cuda.Stream(device=self.device)
-        return self._side
 
     @contextmanager
     def _step_stream(self):

@@ -522,17 +522,17 @@ class CausalLM(nn.Module):
                 return self.model.norm(x)
             return self.model.norm.add_forward(x, pending, delta_lora=_take_deferred(lora))[0]
         remat = checkpoint and torch.is_grad_enabled()
-        # per layer under checkpointing: the hand-written backward (train_layer), or the reentrant checkpoint
-        by_hand = [remat and train_layer.applies(layer, lora, x) and lora.by_hand(layer.self_attn.layer)
-                   for layer in self.model.layers]
-        if remat and not x.requires_grad and not all(by_hand):
+        # per layer under checkpointing: its factors for the hand-written backward (train_layer), or None (the
+        # reentrant checkpoint)
+        by_hand = [lora.layer_factors(layer.self_attn.layer, x.dtype)
+                   if remat and train_layer.applies(layer, lora, x) else None for layer in self.model.layers]
+        if remat and not x.requires_grad and any(f is None for f in by_hand):
             # the reentrant checkpoint below gives a gradient only to outputs of an input that needs one (its
             # backward then reaches the LoRA factors used inside): the embeddings are frozen, so their output
             # is made to need one
             x = x.detach().requires_grad_()
-        for layer, hand in zip(self.model.layers, by_hand):
-            if hand:  # its factors asked for as the pass reaches it (a step's projection may still be on its way)
-                factors = lora.layer_factors(layer.self_attn.layer, x.dtype)
+        for layer, factors in zip(self.model.layers, by_hand):
+            if factors is not None:
                 with saved.keeping(x) if saved is not None else nullcontext():
                     x = train_layer.layer_pass(layer, x, cos, sin, attn, factors, layer_context)
             elif remat:

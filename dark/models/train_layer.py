@@ -28,7 +28,7 @@ UNITS = ("qkv", "o_proj", "gate_up", "down_proj")
 
 def applies(layer, lora, x: torch.Tensor) -> bool:
     a = layer.self_attn
-    return (os.environ.get("DARK_LAYER_PASS", "1") != "0" and hasattr(lora, "by_hand")
+    return (os.environ.get("DARK_LAYER_PASS", "1") != "0" and hasattr(lora, "layer_factors")
             and a.qkv is not None and a.q_norm is None and layer.mlp.gate_up is not None
             and not torch.is_autocast_enabled(x.device.type))
 
