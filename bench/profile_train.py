@@ -75,7 +75,6 @@ def phases(llm, items, steps: int = 4, overrides: dict | None = None) -> dict:
     from dark.config import LearnConfig
     from dark.learn import protect, trainer
 
-    tr = llm.learner.trainer
     marks: list = []  # (phase, host start, host end, start event, end event)
     anchors: list = []  # (host time, event) at each step's start
 

@@ -13,6 +13,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else None
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEVICE is None, reason="needs CUDA")]
 
 
+def relative_distance(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """|got - want| / |want| over all the tensors (one norm, in fp64); want must not be all zeros."""
+    num = sum(float((x - y).double().square().sum()) for x, y in zip(got, want))
+    den = sum(float(y.double().square().sum()) for y in want)
+    assert den > 0, "nothing to compare against: the reference is all zeros"
+    return (num / den) ** 0.5
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_learn_while_serving_on_cuda(tiny_models, tmp_path, dtype):
     with OnlineLLM(str(tiny_models["qwen2"]), device=DEVICE, dtype=dtype, data_dir=tmp_path) as llm:
@@ -170,9 +178,7 @@ def test_checkpointed_layer_inputs_wait_on_the_host(tiny_models, tmp_path):
         assert saved.prefetched == mc.num_layers - 1, saved.prefetched
         assert kept[False] - kept[True] >= mc.num_layers * layer_input, kept
         # the same gradients (within the rounding of flash attention's atomic adds in backward)
-        num = sum(float((x - y).double().square().sum()) for x, y in zip(grads[False], grads[True]))
-        den = sum(float(x.double().square().sum()) for x in grads[False])
-        assert den > 0 and (num / den) ** 0.5 < 1e-3, (num, den)
+        assert relative_distance(grads[True], grads[False]) < 1e-3
 
         tr = llm.learner.trainer
         examples = normalize_examples([{"prompt": "A greeting in Zoggian", "response": "zog"}], "sft")
@@ -231,6 +237,4 @@ def test_the_hand_written_layer_backward_on_the_kernels(tiny_models, tmp_path, d
             grads[form] = [t.grad.clone() for k, p in params.items() if k[1] != "lm_head" for t in p]
             assert len(by_hand) == mc.num_layers  # the hand-written pass ran in every layer, once (form "1")
         torch.testing.assert_close(hidden["1"], hidden["0"])  # the same kernels forward
-        num = sum(float((x - y).double().square().sum()) for x, y in zip(grads["1"], grads["0"]))
-        den = sum(float(x.double().square().sum()) for x in grads["0"])
-        assert den > 0 and (num / den) ** 0.5 < (1e-4 if dtype == "float32" else 2e-2), (num, den)
+        assert relative_distance(grads["1"], grads["0"]) < (1e-4 if dtype == "float32" else 2e-2)

@@ -204,7 +204,7 @@ class _LayerPass(torch.autograd.Function):
         with ctx.context() if ctx.context is not None else nullcontext() as moved:
             dx, grads = _backward(layer, x, cos, sin, ctx.attn, f, _Ops(layer.self_attn.fused), dout,
                                   ctx.needs_input_grad[0])
-        out = [dx] + [g for unit in UNITS for g in (grads[unit] if f[unit] is not None else (None, None))]
+        out = [dx] + _flat({unit: grads[unit] if f[unit] is not None else None for unit in UNITS})
         if moved is not None:
             around = torch.cuda.current_stream(dout.device)
             for g in out:
@@ -214,12 +214,17 @@ class _LayerPass(torch.autograd.Function):
 
 
 def _pairs(factors):
+    """[A, B, A, B, ...] (None, None for a unit without factors) -> [(A, B) or None, ...]."""
     return [None if factors[i] is None else (factors[i], factors[i + 1]) for i in range(0, len(factors), 2)]
+
+
+def _flat(by_unit: dict) -> list:
+    """{unit: (A, B) or None} -> [A, B, A, B, ...] in UNITS order, (None, None) for a unit without factors."""
+    return [t for unit in UNITS for t in (by_unit[unit] if by_unit[unit] is not None else (None, None))]
 
 
 def layer_pass(layer, x, cos, sin, attn, factors: dict, context=None) -> torch.Tensor:
     """The layer's output for x, differentiable in x and in factors ({unit: (A, B) or None}, UNITS), keeping only
     x for backward. context: a callable giving a context manager that the forward and the backward run in (the
     trainer's stream choice; what it yields is the stream switched to, or None)."""
-    flat = [t for unit in UNITS for t in (factors[unit] if factors[unit] is not None else (None, None))]
-    return _LayerPass.apply(x, cos, sin, layer, attn, context, *flat)
+    return _LayerPass.apply(x, cos, sin, layer, attn, context, *_flat(factors))
