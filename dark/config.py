@@ -119,6 +119,10 @@ class LearnConfig:
                                      # not on the device (7B: 0.2 MiB a token, 0.8 GiB for 4096 tokens); -1: never.
                                      # A correction's shorter pass keeps them on the device (the copies cost more
                                      # than they save there)
+    kv_loan: bool = True             # a checkpointed pass on a serving engine keeps what each layer's backward reads in
+                                     # free KV-cache blocks, borrowed for the job when enough are free beyond a quarter
+                                     # of the cache (dark.engine.loan), instead of running the layer's projections
+                                     # again in backward; layers that find no room checkpoint as before
     micro_tokens: int = 4096         # a training batch of more tokens than this runs as parts of at most this many,
                                      # each part's backward right after its forward: one part's activations at a
                                      # time; -1: never split. A pass's host work (~30k operator calls at 7B) does not

@@ -101,3 +101,39 @@ class BlockManager:
                 self.free[block] = None
         seq.block_table = []
         seq.num_computed = seq.num_hashed_blocks = seq.prefix_hash = 0
+
+    # --- lending free blocks (training keeps activations in them: dark.engine.loan) ---
+    def lend(self, count: int, keep_free: int) -> int | None:
+        """Take `count` free blocks with consecutive ids, leaving at least `keep_free` blocks free; the first id, or
+        None when no such run is free. The highest ids are tried first (the free list hands out the lowest first).
+        Their prefix-cache entries go: what training writes there is not the keys they described."""
+        if count <= 0 or self.num_free - count < keep_free:
+            return None
+        n = len(self.ref)
+        start = None
+        if all(b in self.free for b in range(n - count, n)):
+            start = n - count
+        else:
+            run = 0
+            for b in range(n - 1, -1, -1):  # the highest run of `count` free ids
+                run = run + 1 if b in self.free else 0
+                if run == count:
+                    start = b
+                    break
+        if start is None:
+            return None
+        for b in range(start, start + count):
+            del self.free[b]
+            if self.hash_of[b] is not None:
+                self.by_hash.pop(self.hash_of[b], None)
+                self.hash_of[b] = None
+            self.ref[b] = 1
+        return start
+
+    def take_back(self, start: int, count: int) -> None:
+        """Blocks lent by lend() are free again."""
+        for b in range(start, start + count):
+            if self.ref[b] != 1 or b in self.free:
+                raise ValueError(f"block {b} was not lent")
+            self.ref[b] = 0
+            self.free[b] = None

@@ -20,6 +20,7 @@ import torch
 
 from ..config import LearnConfig, LoraConfig
 from ..engine.green import split
+from ..engine.loan import KVLender
 from ..errors import DarkError, InvalidRequestError
 from ..lora.weights import AdapterWeights
 from ..store.db import Store
@@ -131,6 +132,7 @@ class Learner:
         self.config = learn_config
         engine = llm.engine
         self.trainer = Trainer(llm.model, llm.tokenizer, engine.device, self._base_answers)
+        self.trainer.kv_lender = KVLender(engine)  # checkpointed passes keep activations in free KV blocks
         self._green = None  # the CUDA green context training runs in while serving is busy (engine.config.train_sms)
         self.set_train_sms(engine.config.train_sms)
         self._queue: deque[tuple[LearnJob, dict]] = deque()

@@ -36,6 +36,7 @@ from ..config import LearnConfig
 from ..engine.attention import SharedPrefixAttention
 from ..lora.slots import MEMBERS
 from ..lora.weights import AdapterWeights
+from ..models import train_layer
 from ..models.decoder import CausalLM
 from .data import Rendered, render, rewordings
 from .offload import InputsToHost
@@ -247,6 +248,7 @@ class TrainResult:
     replays: int = 0             # earlier examples replayed (verify items of build_items' replay list)
     replays_trained: int = 0     # of them, those that trained in some step (all, with LearnConfig.replay_check off)
     step_items: list[int] = field(default_factory=list)  # per step taken: the examples it trained on (rewordings too)
+    kv_loan: dict | None = None  # the job's loan of KV blocks (dark.engine.loan): bytes, layers kept over the job
 
 
 class Staging:
@@ -492,6 +494,11 @@ class Trainer:
         self.shared_stream: torch.cuda.Stream | None = None
         self.serving_busy: Callable[[], bool] = lambda: False
         self.training = 0  # train() calls under way (serving keeps to its partition of the SMs meanwhile)
+        # free KV-cache blocks a job may borrow for its checkpointed passes (dark.engine.loan; set by the Learner
+        # where an engine serves), and the job's loan while it runs
+        self.kv_lender = None
+        self._loan = None
+        self._loan_tried = False
         if self.stream is not None and hasattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch"):
             # the factors' gradient accumulators outlive a step, and steps (and parts) move between the trainer's
             # streams on purpose, each waiting for the last (_step_stream): the mismatch warning would fire every job
@@ -499,14 +506,15 @@ class Trainer:
 
     # --- batches ---
     def _forward(self, rendered: list[Rendered], lora, checkpoint_tokens: int = -1,
-                 inputs_to_host_tokens: int = -1) -> tuple[torch.Tensor, int, int, bool]:
+                 inputs_to_host_tokens: int = -1, kv_loan: bool = False) -> tuple[torch.Tensor, int, int, bool]:
         """Hidden states of a batch whose common prefix (up to the first prediction) is computed once.
 
         Returns (hidden [prefix + batch * length, hidden size], prefix, length, checkpointed): token t >= prefix
         of sequence b sits at row prefix + b * length + t - prefix. A pass with gradients over more than
         checkpoint_tokens tokens (0: any, -1: none) recomputes each layer in backward (checkpointed); one over
         inputs_to_host_tokens (CUDA; -1: none) keeps the layers' inputs in pinned host memory meanwhile
-        (dark.learn.offload).
+        (dark.learn.offload). kv_loan: a checkpointed pass keeps its layers' activations in the job's loan of KV
+        blocks where they fit (borrowed at the job's first such pass; dark.engine.loan).
         """
         seqs = [r.input_ids for r in rendered]
         first = min(next(i for i, label in enumerate(r.labels) if label != -100) for r in rendered)
@@ -522,6 +530,11 @@ class Trainer:
         remat = torch.is_grad_enabled() and 0 <= checkpoint_tokens < len(ids)
         if isinstance(lora, TrainLoRA):
             lora = lora.prepared(self.model.model.embed_tokens.weight.dtype)
+        if remat and kv_loan and self.kv_lender is not None and not self._loan_tried:
+            self._loan_tried = True  # once a job: a loan sized for its first checkpointed pass, or none
+            dtype = self.model.model.embed_tokens.weight.dtype
+            self._loan = self.kv_lender.borrow([train_layer.kept_shapes(layer, len(ids))
+                                                for layer in self.model.model.layers], dtype)
         saved = None
         if remat and dev.type == "cuda" and 0 <= inputs_to_host_tokens < len(ids):
             if self._inputs_to_host is None:
@@ -531,7 +544,8 @@ class Trainer:
         # and backward): requests that arrive mid-step move the rest of the step to the shared stream within a layer
         layer_context = self._step_stream if remat and self.stream is not None else None
         hidden = self.model.hidden_states(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), attn, lora,
-                                          checkpoint=remat, saved=saved, layer_context=layer_context)
+                                          checkpoint=remat, saved=saved, layer_context=layer_context,
+                                          loan=self._loan if remat and kv_loan else None)
         return hidden, p, n, remat
 
     def _targets(self, labels: list[list[int]], p: int, n: int):
@@ -559,7 +573,8 @@ class Trainer:
         backward.
         """
         cfg = cfg or LearnConfig()
-        hidden, p, n, remat = self._forward(rendered, lora, cfg.checkpoint_tokens, cfg.inputs_to_host_tokens)
+        hidden, p, n, remat = self._forward(rendered, lora, cfg.checkpoint_tokens, cfg.inputs_to_host_tokens,
+                                            cfg.kv_loan)
         rows, targets, owner = self._targets([r.labels for r in rendered], p, n)
         # rows are in sequence order: those of the sequences before full_from come first
         split = len(rows) if full_from is None else sum(label != -100 for r in rendered[:full_from] for label in r.labels[1:])
@@ -711,12 +726,19 @@ class Trainer:
             except (ValueError, KeyError):
                 log.warning("optimizer state does not fit this adapter; starting it afresh")
         marks["moments_in"] = time.perf_counter()
+        self._loan, self._loan_tried = None, False
         try:
-            return self._train_loop(weights, items, cfg, on_step, low_precision, marks, keys, params, flat, opt,
-                                    load_moments, waited, park)
+            result = self._train_loop(weights, items, cfg, on_step, low_precision, marks, keys, params, flat, opt,
+                                      load_moments, waited, park)
+            if self._loan is not None:
+                result.kv_loan = {"bytes": self._loan.nbytes, "layers_kept": self._loan.placed}
+            return result
         finally:
             if isinstance(inflight, MomentsIn):  # whatever happened, the helper is done with the staging buffer
                 inflight.wait()
+            if self._loan is not None:  # whatever happened, the blocks go back to serving
+                loan, self._loan = self._loan, None
+                self.kv_lender.give_back(loan)
 
     def _park_stream(self) -> torch.cuda.Stream | None:
         if self.device.type != "cuda":

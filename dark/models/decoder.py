@@ -499,7 +499,7 @@ class CausalLM(nn.Module):
             m.gate_up = fuse_linears([m.gate_proj, m.up_proj])
 
     def hidden_states(self, input_ids, positions, attn: Attention, lora: LoRA | None = None,
-                      checkpoint: bool = False, saved=None, layer_context=None) -> torch.Tensor:
+                      checkpoint: bool = False, saved=None, layer_context=None, loan=None) -> torch.Tensor:
         """Final-norm hidden states of a flat batch of tokens ([T] ids and positions) -> [T, hidden].
 
         checkpoint (training): when gradients are on, autograd keeps only each layer's input and runs the
@@ -509,6 +509,8 @@ class CausalLM(nn.Module):
         saved (with checkpoint): where the layers' inputs wait for backward, a dark.learn.offload.InputsToHost.
         layer_context (with checkpoint): a callable giving a context manager that each checkpointed layer call runs
         in, the first run and the recompute in backward alike (the trainer's stream choice).
+        loan (with checkpoint): a dark.engine.loan.Loan of free KV blocks; the layers whose kept tensors find room
+        there keep them and recompute no projection in backward (train_layer's KEPT), the others checkpoint.
         """
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
@@ -532,7 +534,12 @@ class CausalLM(nn.Module):
             # is made to need one
             x = x.detach().requires_grad_()
         for layer, factors in zip(self.model.layers, by_hand):
-            if factors is not None:
+            placement = None
+            if factors is not None and loan is not None and x.dtype == loan.dtype:
+                placement = loan.place(train_layer.kept_shapes(layer, x.shape[0]))
+            if placement is not None:
+                x = train_layer.layer_pass(layer, x, cos, sin, attn, factors, layer_context, placement)
+            elif factors is not None:
                 with saved.keeping(x) if saved is not None else nullcontext():
                     x = train_layer.layer_pass(layer, x, cos, sin, attn, factors, layer_context)
             elif remat:

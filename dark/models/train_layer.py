@@ -107,17 +107,44 @@ def _delta(y, x, ab):
     return codes
 
 
-def _run(layer, x, cos, sin, attn, f: dict, ops: _Ops, keep: bool):
+KEPT = ("x", "q", "k", "v", "x1", "g")  # what a layer keeps in a loan of KV blocks (dark.engine.loan)
+
+
+def kept_shapes(layer, tokens: int) -> list[tuple[int, ...]]:
+    """Shapes of the tensors (KEPT order) a layer's backward reads back instead of recomputing them: its input,
+    q/k/v after the rotary, the attention block's output added to the input, and the gate/up product."""
+    sa, mlp = layer.self_attn, layer.mlp
+    width = layer.input_layernorm.weight.shape[0]
+    return [(tokens, width), (tokens, sa.nh, sa.d), (tokens, sa.nkv, sa.d), (tokens, sa.nkv, sa.d), (tokens, width),
+            (tokens, mlp.gate_up[0].shape[0])]
+
+
+def _linear(x, wb, out=None):
+    """F.linear(x, *wb), written into out when given."""
+    if out is None:
+        return F.linear(x, *wb)
+    torch.mm(x, wb[0].t(), out=out)
+    if len(wb) > 1 and wb[1] is not None:
+        out.add_(wb[1])
+    return out
+
+
+def _run(layer, x, cos, sin, attn, f: dict, ops: _Ops, keep: bool, kept: dict | None = None):
     """The layer's forward without autograd. keep (the recompute in backward): returns what the gradients read,
-    with the attention run under autograd, and without the down projection's product."""
+    with the attention run under autograd, and without the down projection's product. kept (the first run, in a
+    loan of KV blocks): the KEPT tensors are written there, the gate/up product in place."""
     sa, mlp = layer.self_attn, layer.mlp
     n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
     t, nh, nkv, d = x.shape[0], sa.nh, sa.nkv, sa.d
+    if kept is not None:
+        kept["x"].copy_(x)
     h1 = ops.norm(x, n1.weight, n1.eps)
     y = F.linear(h1, *sa.qkv)
     c1 = _delta(y, h1, f["qkv"])
     q, k, v = ops.qkv(y, nh, nkv, d, cos, sin)
     del y
+    if kept is not None:
+        q, k, v = kept["q"].copy_(q), kept["k"].copy_(k), kept["v"].copy_(v)
     if keep:
         q, k, v = q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
         with torch.enable_grad():
@@ -129,10 +156,12 @@ def _run(layer, x, cos, sin, attn, f: dict, ops: _Ops, keep: bool):
     c2 = _delta(z, o, f["o_proj"])
     x1 = z.add_(x)
     del z
+    if kept is not None:
+        x1 = kept["x1"].copy_(x1)
     h2 = ops.norm(x1, n2.weight, n2.eps)
-    g = F.linear(h2, *mlp.gate_up)
+    g = _linear(h2, mlp.gate_up, kept["g"] if kept is not None else None)
     c3 = _delta(g, h2, f["gate_up"])
-    a = ops.silu_mul(g, mlp.size, inplace=not keep)
+    a = ops.silu_mul(g, mlp.size, inplace=not keep and kept is None)
     down = mlp.down_proj
     if keep:
         c4 = a @ f["down_proj"][0].t() if f["down_proj"] is not None else None
@@ -141,6 +170,27 @@ def _run(layer, x, cos, sin, attn, f: dict, ops: _Ops, keep: bool):
     out = F.linear(a, down.weight, down.bias)
     _delta(out, a, f["down_proj"])
     return out.add_(x1)
+
+
+def _from_kept(layer, kept: dict, cos, sin, attn, f: dict, ops: _Ops):
+    """What _run(keep=True) returns, from a first run's KEPT tensors: only the norms, the codes, the attention's
+    forward and the GLU run again, no projection."""
+    sa, mlp = layer.self_attn, layer.mlp
+    n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+    t, nh, d = kept["x"].shape[0], sa.nh, sa.d
+    h1 = ops.norm(kept["x"], n1.weight, n1.eps)
+    q, k, v = (kept[n].detach().requires_grad_() for n in ("q", "k", "v"))
+    with torch.enable_grad():
+        att = attn.attend(sa.layer, q, k, v)
+    o = att.detach().reshape(t, nh * d)
+    x1, g = kept["x1"], kept["g"]
+    h2 = ops.norm(x1, n2.weight, n2.eps)
+    a = ops.silu_mul(g, mlp.size)
+
+    def codes(unit, inp):
+        return inp @ f[unit][0].t() if f[unit] is not None else None
+    return dict(h1=h1, c1=codes("qkv", h1), q=q, k=k, v=v, att=att, o=o, c2=codes("o_proj", o), x1=x1, h2=h2, g=g,
+                c3=codes("gate_up", h2), a=a, c4=codes("down_proj", a))
 
 
 def _unit_backward(dy, x, w, ab, codes, need_dx: bool = True):
@@ -156,13 +206,17 @@ def _unit_backward(dy, x, w, ab, codes, need_dx: bool = True):
     return dx, da, db
 
 
-def _backward(layer, x, cos, sin, attn, f: dict, ops: _Ops, dout, need_dx: bool = True):
+def _backward(layer, x, cos, sin, attn, f: dict, ops: _Ops, dout, need_dx: bool = True, kept: dict | None = None):
     """(dx, {unit: (dA, dB)}) of the layer at input x for the output's gradient dout (dx None unless need_dx: the
-    first layer's input, the embeddings, needs none)."""
+    first layer's input, the embeddings, needs none). kept: the first run's KEPT tensors (x is kept["x"])."""
     sa, mlp = layer.self_attn, layer.mlp
     n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
     nh, nkv, d = sa.nh, sa.nkv, sa.d
-    s = _run(layer, x, cos, sin, attn, f, ops, keep=True)
+    if kept is not None:
+        x = kept["x"]
+        s = _from_kept(layer, kept, cos, sin, attn, f, ops)
+    else:
+        s = _run(layer, x, cos, sin, attn, f, ops, keep=True)
     grads = {}
     da_in, *grads["down_proj"] = _unit_backward(dout, s.pop("a"), mlp.down_proj.weight, f["down_proj"], s.pop("c4"))
     dg = ops.silu_mul_backward(s.pop("g"), da_in, mlp.size)
@@ -186,12 +240,14 @@ def _backward(layer, x, cos, sin, attn, f: dict, ops: _Ops, dout, need_dx: bool 
 
 class _LayerPass(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cos, sin, layer, attn, context, *factors):
+    def forward(ctx, x, cos, sin, layer, attn, context, placement, *factors):
         f = dict(zip(UNITS, _pairs(factors)))
-        ctx.layer, ctx.attn, ctx.context = layer, attn, context
-        ctx.save_for_backward(x, cos, sin, *factors)
+        ctx.layer, ctx.attn, ctx.context, ctx.placement = layer, attn, context, placement
+        # kept in a loan: x is one of the placement's tensors (its own memory goes when the next layer is done)
+        ctx.save_for_backward(x if placement is None else None, cos, sin, *factors)
+        kept = dict(zip(KEPT, placement.tensors)) if placement is not None else None
         with context() if context is not None else nullcontext() as moved:
-            out = _run(layer, x, cos, sin, attn, f, _Ops(layer.self_attn.fused), keep=False)
+            out = _run(layer, x, cos, sin, attn, f, _Ops(layer.self_attn.fused), keep=False, kept=kept)
         if moved is not None:  # made on the stream switched to, read on this one next
             out.record_stream(torch.cuda.current_stream(out.device))
         return out
@@ -200,17 +256,21 @@ class _LayerPass(torch.autograd.Function):
     def backward(ctx, dout):
         x, cos, sin, *factors = ctx.saved_tensors
         f = dict(zip(UNITS, _pairs(factors)))
-        layer = ctx.layer
+        layer, placement = ctx.layer, ctx.placement
+        kept = dict(zip(KEPT, placement.tensors)) if placement is not None else None
         with ctx.context() if ctx.context is not None else nullcontext() as moved:
             dx, grads = _backward(layer, x, cos, sin, ctx.attn, f, _Ops(layer.self_attn.fused), dout,
-                                  ctx.needs_input_grad[0])
+                                  ctx.needs_input_grad[0], kept)
+        if placement is not None:  # its room is free for the next pass (whose work queues after this one's)
+            placement.release()
+            ctx.placement = None
         out = [dx] + _flat({unit: grads[unit] if f[unit] is not None else None for unit in UNITS})
         if moved is not None:
             around = torch.cuda.current_stream(dout.device)
             for g in out:
                 if g is not None:
                     g.record_stream(around)
-        return (out[0], None, None, None, None, None, *out[1:])
+        return (out[0], None, None, None, None, None, None, *out[1:])
 
 
 def _pairs(factors):
@@ -223,8 +283,10 @@ def _flat(by_unit: dict) -> list:
     return [t for unit in UNITS for t in (by_unit[unit] if by_unit[unit] is not None else (None, None))]
 
 
-def layer_pass(layer, x, cos, sin, attn, factors: dict, context=None) -> torch.Tensor:
+def layer_pass(layer, x, cos, sin, attn, factors: dict, context=None, placement=None) -> torch.Tensor:
     """The layer's output for x, differentiable in x and in factors ({unit: (A, B) or None}, UNITS), keeping only
     x for backward. context: a callable giving a context manager that the forward and the backward run in (the
-    trainer's stream choice; what it yields is the stream switched to, or None)."""
-    return _LayerPass.apply(x, cos, sin, layer, attn, context, *_flat(factors))
+    trainer's stream choice; what it yields is the stream switched to, or None). placement: room in a loan of KV
+    blocks (dark.engine.loan) for the KEPT tensors, kept_shapes(layer, tokens): the backward then runs no
+    projection again."""
+    return _LayerPass.apply(x, cos, sin, layer, attn, context, placement, *_flat(factors))
