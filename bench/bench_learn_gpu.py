@@ -252,7 +252,8 @@ def bench_dark_train(llm, args, device, report, save, label, **overrides) -> flo
     fig = {"system": label, "tok_s": round(args.steps * tokens / secs, 1), "ms_per_step": round(1000 * secs / args.steps, 1),
            "steps": args.steps, "loss_last": result.losses[-1], "train_call_s": round(wall, 2),
            "first_step_s": round(stamps[0] - t, 2), "alloc_before_gib": before, **mem(device),
-           "config": {k: getattr(cfg, k) for k in ("kl_weight", "anchor_loss", "lr")}}
+           "config": {k: getattr(cfg, k) for k in ("kl_weight", "anchor_loss", "lr", "kv_loan")},
+           "kv_loan": result.kv_loan}
     report["train"].append(fig)
     print(json.dumps(fig), flush=True)
     save()

@@ -331,6 +331,10 @@ def dark_parts(run: Run, llm) -> None:
                                                                 kl_weight=0.0)))
     if "rate" in solo:
         run.fig("train_tok_s", solo["rate"])
+    # the same with the layers' activations kept in the job's loan of free KV blocks switched off: every layer
+    # checkpointed, its projections run again in backward (dark.engine.loan)
+    run.part("train_without_kv_loan", lambda: run.fig("train_tok_s_without_kv_loan", bench_dark_train(
+        llm, train_args, dev, sub, run.save, "dark, without the KV loan", kl_weight=0.0, kv_loan=False)))
 
     def train_profile():
         # where a training step's GPU time goes: 2 steps under torch.profiler, kernels grouped by name
@@ -492,6 +496,8 @@ def table(report: dict, partial: bool = False) -> str:
         ("64 seqs, 32 adapters: step time without / with", "multi_adapter_ratio", None, ">= 0.90"),
         ("offline 256 requests (output tok/s)", "offline_tok_s", "hf_offline_tok_s", ">= 12000"),
         ("LoRA training, packed 2k (tok/s)", "train_tok_s", "hf_train_tok_s", ">= 14000"),
+        ("  the same without the loan of free KV blocks: every layer recomputed (tok/s)", "train_tok_s_without_kv_loan",
+         None, ""),
         ("  the same without layer checkpointing (tok/s)", "train_tok_s_no_checkpoint", None, ""),
         ("512-token correction -> published (s)", "correction_to_publish_s", None, "<= 1"),
         ("decode p99 during training / solo", "decode_p99_ratio_during_training", None, "<= 1.3"),

@@ -238,3 +238,49 @@ def test_the_hand_written_layer_backward_on_the_kernels(tiny_models, tmp_path, d
             assert len(by_hand) == mc.num_layers  # the hand-written pass ran in every layer, once (form "1")
         torch.testing.assert_close(hidden["1"], hidden["0"])  # the same kernels forward
         assert relative_distance(grads["1"], grads["0"]) < (1e-4 if dtype == "float32" else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_layers_kept_in_lent_kv_blocks_on_the_kernels(tiny_models, tmp_path, dtype):
+    """dark.engine.loan on CUDA: a checkpointed pass whose layers keep their activations in blocks the engine lent
+    gives the hidden states and LoRA gradients of the same pass recomputing every layer (the same kernels on the same
+    inputs: equal to the dtype's rounding at most), every layer finds room, and the blocks go back zeroed."""
+    from dark.config import LoraConfig
+    from dark.engine.attention import SharedPrefixAttention
+    from dark.engine.loan import KVLender
+    from dark.learn.trainer import TrainLoRA
+    from dark.lora.weights import AdapterWeights
+    from dark.models import train_layer
+
+    with OnlineLLM(str(tiny_models["qwen2"]), data_dir=tmp_path, device=DEVICE, dtype=dtype) as llm:
+        model, mc, dev = llm.model, llm.model.config, torch.device(DEVICE)
+        dt = getattr(torch, dtype)
+        start = AdapterWeights.init(LoraConfig(target_modules=LORA_TARGETS).validate(), mc.projection_shapes(),
+                                    mc.num_layers, seed=3)
+        params = {k: (a.to(dev).requires_grad_(), (torch.randn_like(b) * 0.05).to(dev).requires_grad_())
+                  for k, (a, b) in start.tensors.items()}
+        lora = TrainLoRA(params, start.scaling, {m: o for m, (_, o) in mc.projection_shapes().items()})
+        prefix, batch, length = 40, 3, 300
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, mc.vocab_size, (prefix + batch * length,), generator=gen).to(dev)
+        pos = torch.tensor(list(range(prefix)) + list(range(prefix, prefix + length)) * batch, device=dev)
+        weight = torch.randn(prefix + batch * length, mc.hidden_size, generator=gen).to(dev)
+        attn = SharedPrefixAttention(prefix, batch, length, dev)
+        lender = KVLender(llm.engine)
+        free = llm.engine.blocks.num_free
+        loan = lender.borrow([train_layer.kept_shapes(layer, len(ids)) for layer in model.model.layers], dt)
+        assert loan is not None
+        hidden, grads = {}, {}
+        for use in (None, loan):
+            for a, b in params.values():
+                a.grad = b.grad = None
+            h = model.hidden_states(ids, pos, attn, lora.prepared(dt), checkpoint=True, loan=use)
+            (h.float() * weight).sum().backward()
+            hidden[use is not None] = h.detach().float()
+            grads[use is not None] = [t.grad.clone() for k, p in params.items() if k[1] != "lm_head" for t in p]
+        assert loan.placed == mc.num_layers and loan._live == 0
+        torch.testing.assert_close(hidden[True], hidden[False], rtol=0, atol=0)
+        assert relative_distance(grads[True], grads[False]) < (1e-5 if dtype == "float32" else 1e-2)
+        lender.give_back(loan)
+        assert llm.engine.blocks.num_free == free
+        assert not bool(llm.engine.cache.data[:, :, loan.start:loan.start + loan.count].any())
