@@ -81,6 +81,15 @@ def test_a_loan_places_tensors_apart_and_frees_them_with_the_last_release():
     assert loan._live == 1
     third.release()                               # every placement released: the next starts from the beginning
     assert loan._live == 0 and loan.place([(2048,)] * 4) is not None
+    held = loan.hold(1000)                        # for the loan's life, at the end of the last region
+    assert held is not None and held.numel() == 1000
+    held.fill_(-1.0)
+    assert loan.place([(2048,)] * 4) is None      # placements keep out of it
+    everything = loan.place([(2048,)] * 3 + [(1000,)])
+    assert everything is not None
+    for t in everything.tensors:
+        t.fill_(5.0)
+    assert bool((held == -1).all())
 
 
 def fp64_model(tiny_models, family="qwen2"):
@@ -151,6 +160,7 @@ def test_a_job_borrows_free_blocks_trains_the_same_weights_and_gives_them_back(l
     assert results[False].kv_loan is None
     report = results[True].kv_loan
     assert report["bytes"] > 0 and report["layers_kept"] >= model.config.num_layers  # every layer, in each pass
+    assert report["bases_bytes"] > 0  # the protector projected with its bases held in the loan after the first step
     assert results[True].losses == pytest.approx(results[False].losses, rel=1e-6, abs=1e-7)
     assert weights_distance(results[True].weights, results[False].weights, start) < 1e-5
     assert engine.blocks.num_free == free

@@ -185,7 +185,7 @@ def test_checkpointed_layer_inputs_wait_on_the_host(tiny_models, tmp_path):
         out = {}
         moved = saved.moved
         for to_host in (False, True):
-            cfg = LearnConfig(max_steps=3, min_steps=3, kl_weight=0.0, checkpoint_tokens=0,
+            cfg = LearnConfig(max_steps=3, min_steps=3, kl_weight=0.0, checkpoint_tokens=0, kv_loan=False,
                               inputs_to_host_tokens=0 if to_host else -1).validate()
             out[to_host] = tr.train(start, None, tr.build_items(examples, [], "sft", cfg), cfg)
         assert tr._inputs_to_host.moved > (moved if tr._inputs_to_host is saved else 0)

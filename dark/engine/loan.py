@@ -40,9 +40,11 @@ class Loan:
         self.dtype, self.device = cache_data.dtype, cache_data.device
         self.nbytes = sum(r.numel() for r in self.regions) * cache_data.element_size()
         self._used = [0] * len(self.regions)
+        self._cap = [r.numel() for r in self.regions]  # less what hold() keeps at the regions' ends for the job
         self._live = 0
         self._lock = threading.Lock()  # releases may come from autograd's threads
         self.placed = 0  # placements made over the loan's life (layers kept)
+        self.bases_bytes = 0  # the protector's bases held here for the job (dark.learn.protect.keep_in)
 
     def place(self, shapes: list[tuple[int, ...]]) -> "Placement | None":
         """Room for tensors of these shapes (the cache's dtype), all of them or none (None: no room left)."""
@@ -53,7 +55,7 @@ class Loan:
             for i in order:
                 n = math.prod(shapes[i])
                 for j, region in enumerate(self.regions):
-                    if used[j] + n <= region.numel():
+                    if used[j] + n <= self._cap[j]:
                         out[i] = region[used[j]:used[j] + n].view(shapes[i])
                         used[j] += -(-n // ALIGN) * ALIGN
                         break
@@ -63,6 +65,17 @@ class Loan:
             self._live += 1
             self.placed += 1
         return Placement(self, out)
+
+    def hold(self, numel: int) -> torch.Tensor | None:
+        """Room for `numel` elements for the rest of the loan (data kept across passes), at the end of the last
+        region that has it beyond what is placed there now; None if none has."""
+        with self._lock:
+            for j in range(len(self.regions) - 1, -1, -1):
+                top = (self._cap[j] - numel) // ALIGN * ALIGN
+                if top >= self._used[j]:
+                    self._cap[j] = top
+                    return self.regions[j][top:top + numel]
+        return None
 
     def _release(self) -> None:
         with self._lock:

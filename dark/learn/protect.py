@@ -75,6 +75,26 @@ class Protector:
         self.energy = energy
         self.bases: dict[tuple[int, str], torch.Tensor] = {}  # (layer, module) -> V [in, k], orthonormal columns
         self._stream: torch.cuda.Stream | None = None  # where bases in host memory cross to the device
+        self._resident: dict[int, torch.Tensor] = {}  # id(basis in host memory) -> its copy in a job's loan
+
+    def keep_in(self, loan) -> int:
+        """Copy the bases kept in host memory into room held in a loan of KV blocks (dark.engine.loan) for the job,
+        as many as it has room for: the job's steps then project with those copies, and no basis crosses the bus
+        again until drop_kept(). Returns the bytes copied."""
+        moved = 0
+        for v in {id(v): v for v in self.bases.values()}.values():
+            if v.device.type != "cpu" or id(v) in self._resident or v.element_size() != loan.regions[0].element_size():
+                continue
+            room = loan.hold(v.numel())
+            if room is None:
+                break
+            self._resident[id(v)] = room.view(v.dtype).view(v.shape).copy_(v, non_blocking=True)
+            moved += v.numel() * v.element_size()
+        return moved
+
+    def drop_kept(self) -> None:
+        """Forget the copies keep_in() made (their loan goes back to serving)."""
+        self._resident.clear()
 
     def fit(self, model, tokenizer, device: torch.device, dtype: torch.dtype) -> "Protector":
         rendered = [render(tokenizer, [{"role": "user", "content": q}, {"role": "assistant", "content": a}])
@@ -136,6 +156,8 @@ class Protector:
     def _fetch(self, v: torch.Tensor, like: torch.Tensor):
         """Start v's copy to like's device: (the device copy, the event its copy records) on a side stream for a
         basis in pinned host memory, else (v, None)."""
+        if id(v) in self._resident:
+            return self._resident[id(v)], None
         if v.device == like.device or like.device.type != "cuda" or os.environ.get("DARK_BASES_AHEAD", "1") == "0":
             return v, None  # DARK_BASES_AHEAD=0 (an A/B): copied on the current stream when used
         if self._stream is None or self._stream.device != like.device:

@@ -499,6 +499,7 @@ class Trainer:
         self.kv_lender = None
         self._loan = None
         self._loan_tried = False
+        self._kept = None  # the protector whose bases the loan holds for the job
         if self.stream is not None and hasattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch"):
             # the factors' gradient accumulators outlive a step, and steps (and parts) move between the trainer's
             # streams on purpose, each waiting for the last (_step_stream): the mismatch warning would fire every job
@@ -726,16 +727,20 @@ class Trainer:
             except (ValueError, KeyError):
                 log.warning("optimizer state does not fit this adapter; starting it afresh")
         marks["moments_in"] = time.perf_counter()
-        self._loan, self._loan_tried = None, False
+        self._loan, self._loan_tried, self._kept = None, False, None
         try:
             result = self._train_loop(weights, items, cfg, on_step, low_precision, marks, keys, params, flat, opt,
                                       load_moments, waited, park)
             if self._loan is not None:
-                result.kv_loan = {"bytes": self._loan.nbytes, "layers_kept": self._loan.placed}
+                result.kv_loan = {"bytes": self._loan.nbytes, "layers_kept": self._loan.placed,
+                                  "bases_bytes": self._loan.bases_bytes}
             return result
         finally:
             if isinstance(inflight, MomentsIn):  # whatever happened, the helper is done with the staging buffer
                 inflight.wait()
+            if self._kept is not None:
+                self._kept.drop_kept()
+                self._kept = None
             if self._loan is not None:  # whatever happened, the blocks go back to serving
                 loan, self._loan = self._loan, None
                 self.kv_lender.give_back(loan)
@@ -875,6 +880,9 @@ class Trainer:
                         before = torch._foreach_mul(a_factors, 1.0) if protector is not None else None
                     opt.step()
                     if protector is not None:
+                        if self._loan is not None and self._kept is None:  # the bases cross the bus once a job
+                            self._kept = protector
+                            self._loan.bases_bytes = protector.keep_in(self._loan)
                         with torch.no_grad():
                             protector.project_updates(list(params), a_factors, before)
                         del before
