@@ -74,15 +74,16 @@ def phase(name: str, fn, kv: int, out: dict, history: bool = False) -> None:
     print(name, json.dumps(rec, indent=1), flush=True)
 
 
-def engine_7b(tokenizer: Path):
+def engine_7b(tokenizer: Path, kv_blocks: int = 2048):
     """An OnlineLLM over a random-weight model of Qwen2.5-7B's shapes (in a temporary folder), set up as
-    bench/run_all.py sets it up: 34 adapter slots of rank 16, 256 sequences, 8192-token steps."""
+    bench/run_all.py sets it up: 34 adapter slots of rank 16, 256 sequences, 8192-token steps; kv_blocks blocks of
+    16 tokens in the KV cache (run_all's 33,792 leave a training job its loan: dark.engine.loan)."""
     from dark import OnlineLLM
 
     tmp = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     build_model(QWEN25_7B, tokenizer.resolve(), tmp / "model", DEV)
     torch.cuda.empty_cache()
-    return OnlineLLM(str(tmp / "model"), data_dir=tmp / "data", device="cuda", dtype="bfloat16", num_kv_blocks=2048,
+    return OnlineLLM(str(tmp / "model"), data_dir=tmp / "data", device="cuda", dtype="bfloat16", num_kv_blocks=kv_blocks,
                      max_num_seqs=256, max_num_batched_tokens=8192, max_adapter_slots=34, max_lora_rank=16)
 
 

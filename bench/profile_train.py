@@ -26,6 +26,7 @@ from run_all import env_setting  # noqa: E402
 # (label, LearnConfig overrides, protector bases kept on the device)
 VARIANTS = [
     ("default", {}, None),
+    ("without the KV loan", {"kv_loan": False}, None),
     ("layer inputs on the device", {"inputs_to_host_tokens": -1}, None),
     ("two parts of 2048 tokens", {"micro_tokens": 2048}, None),
     ("two parts, inputs on the device", {"micro_tokens": 2048, "inputs_to_host_tokens": -1}, None),
@@ -221,10 +222,12 @@ def main() -> None:
     ap.add_argument("--trace", type=Path, help="write the first profile's timeline here (.json.gz)")
     ap.add_argument("--syncs", action="store_true", help="count the default's host syncs (torch's sync debug mode)")
     ap.add_argument("--phases", action="store_true", help="time the default's phases on the host and the device")
+    ap.add_argument("--kv-blocks", type=int, default=2048,
+                    help="the engine's KV blocks (run_all.py's 33792 leave training its loan of free blocks)")
     a = ap.parse_args()
     from dark.learn import protect
 
-    llm = engine_7b(a.tokenizer)
+    llm = engine_7b(a.tokenizer, a.kv_blocks)
     items = dark_items(argparse.Namespace(train_batch=2, seq_len=2048, label_tokens=1024))
     out: dict = {"tokens_per_step": 4096, "variants": {}}
     default_bases = protect.DEVICE_BASES

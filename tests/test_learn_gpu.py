@@ -284,3 +284,34 @@ def test_layers_kept_in_lent_kv_blocks_on_the_kernels(tiny_models, tmp_path, dty
         lender.give_back(loan)
         assert llm.engine.blocks.num_free == free
         assert not bool(llm.engine.cache.data[:, :, loan.start:loan.start + loan.count].any())
+
+
+def test_a_job_with_a_kv_loan_projects_through_a_cuda_graph(tiny_models, tmp_path, monkeypatch):
+    """A checkpointed job of several steps on CUDA borrows KV blocks, copies the protector's bases into them once,
+    and replays its projection as a CUDA graph captured at the first step: the weights of the same job projecting
+    eagerly (DARK_PROTECT_GRAPH=0), every block free again after each."""
+    from dark.config import LearnConfig, LoraConfig
+    from dark.learn.data import normalize_examples
+    from dark.lora.weights import AdapterWeights
+
+    with OnlineLLM(str(tiny_models["qwen2"]), data_dir=tmp_path, device=DEVICE, dtype="bfloat16") as llm:
+        tr, mc = llm.learner.trainer, llm.model.config
+        free = llm.engine.blocks.num_free
+        start = AdapterWeights.init(LoraConfig(target_modules=LORA_TARGETS).validate(), mc.projection_shapes(),
+                                    mc.num_layers, seed=3)
+        examples = normalize_examples([{"prompt": "A greeting in Zoggian", "response": "zog"},
+                                       {"prompt": "How to say 'hello' in Zoggian?", "response": "zog"}], "sft")
+        out = {}
+        for graph in ("1", "0"):
+            monkeypatch.setenv("DARK_PROTECT_GRAPH", graph)
+            cfg = LearnConfig(max_steps=4, min_steps=4, kl_weight=0.0, checkpoint_tokens=0).validate()
+            out[graph] = tr.train(start, None, tr.build_items(examples, [], "sft", cfg), cfg)
+            assert llm.engine.blocks.num_free == free
+        assert out["1"].kv_loan["projection_graph"] and not out["0"].kv_loan["projection_graph"]
+        assert out["1"].kv_loan["bases_bytes"] > 0
+        assert out["1"].losses == pytest.approx(out["0"].losses, rel=1e-3)
+        num = sum(float((u - v).square().sum()) for k in start.tensors
+                  for u, v in zip(out["1"].weights.tensors[k], out["0"].weights.tensors[k]))
+        den = sum(float((v - s).square().sum()) for k in start.tensors
+                  for v, s in zip(out["0"].weights.tensors[k], start.tensors[k]))
+        assert (num / den) ** 0.5 < 1e-3, (num, den)

@@ -63,10 +63,12 @@ def test_training_keeps_the_change_to_A_out_of_everyday_directions(tiny_models, 
         assert (free.weights.tensors[key][0] @ protector.bases[key].float()).norm() > 1e-2 * free.weights.tensors[key][0].norm()
 
 
-def test_a_step_widens_one_basis_at_a_time(monkeypatch):
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_step_widens_one_basis_at_a_time(monkeypatch, in_place):
     """project_updates gives each A the same result as projecting it alone, widens a basis shared by several
     projections once, and lets each widened (fp32, device) copy go before the next: a 7B model's bases widened all
-    at once would take ~2 GB of device memory at the end of every step."""
+    at once would take ~2 GB of device memory at the end of every step. in_place (the trainer's CUDA graph): the
+    same results, the changes made in start's tensors."""
     import weakref
 
     g = torch.Generator().manual_seed(0)
@@ -89,7 +91,11 @@ def test_a_step_widens_one_basis_at_a_time(monkeypatch):
         return out
 
     monkeypatch.setattr(Protector, "_on", staticmethod(on))
-    p.project_updates(keys, a, start)
+    changes = [t - s for t, s in zip(a, start)]
+    p.project_updates(keys, a, start, in_place=in_place)
+    if in_place:
+        for got, c in zip(start, changes):
+            torch.testing.assert_close(got, c)
     assert len(widened) == 2  # q and k: one basis, widened once
     for got, w in zip(a, want):
         torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-6)

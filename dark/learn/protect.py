@@ -117,13 +117,26 @@ class Protector:
                  int(valid.sum()), min(ks), max(ks))
         return self
 
-    def project_updates(self, keys: list[tuple[int, str]], a: list[torch.Tensor], start: list[torch.Tensor]) -> None:
+    def all_kept(self) -> bool:
+        """Whether every basis kept in host memory has a copy in a loan (keep_in): a projection then makes no
+        copy over the bus and uses no side stream (a CUDA graph can hold it)."""
+        return all(id(v) in self._resident for v in self.bases.values() if v.device.type == "cpu")
+
+    def project_updates(self, keys: list[tuple[int, str]], a: list[torch.Tensor], start: list[torch.Tensor],
+                        in_place: bool = False) -> None:
         """In place, for each key's A factor: a = start + (a - start) with the everyday directions removed from
         each row's change, i.e. a -= P(a - start). The changes and the corrections go through one foreach op each,
         and a basis that several projections share (q/k/v, gate/up) is moved and widened once and projects their
         stacked changes: a step's ~110 bases cost four small GEMMs each. The host's calls are what this costs on a
-        GPU (~15 a basis; the GEMMs ~13 ms a 7B step), so each one saved counts."""
-        changes = torch._foreach_sub(a, start)
+        GPU (~15 a basis; the GEMMs ~13 ms a 7B step), so each one saved counts. in_place: the changes are made in
+        start's tensors (overwritten) and each basis's corrections are applied at once, none kept for one final op:
+        the fewest bytes allocated (for a CUDA graph, whose memory stays with it)."""
+        if in_place:
+            changes = start
+            torch._foreach_sub_(changes, a)
+            torch._foreach_neg_(changes)
+        else:
+            changes = torch._foreach_sub(a, start)
         sharing: dict[int, tuple[torch.Tensor, list[int]]] = {}  # basis -> the projections it protects
         for i, key in enumerate(keys):
             v = self.bases.get(key)
@@ -145,6 +158,9 @@ class Protector:
                 fix = _in_span(torch.cat([changes[i] for i in users]), w)
                 fixes.extend(fix.split([changes[i].shape[0] for i in users]))
             del w
+            if in_place:
+                torch._foreach_sub_(targets, fixes)
+                targets, fixes = [], []
             if j + self.AHEAD < len(bases):  # after this basis's work: its copy waits for it (_fetch)
                 ahead_v, ahead_users = bases[j + self.AHEAD]
                 coming.append(self._fetch(ahead_v, a[ahead_users[0]]))
