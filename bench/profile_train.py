@@ -27,6 +27,7 @@ from run_all import env_setting  # noqa: E402
 VARIANTS = [
     ("default", {}, None),
     ("without the KV loan", {"kv_loan": False}, None),
+    ("projection without the CUDA graph", {}, None),  # ENVS
     ("layer inputs on the device", {"inputs_to_host_tokens": -1}, None),
     ("two parts of 2048 tokens", {"micro_tokens": 2048}, None),
     ("two parts, inputs on the device", {"micro_tokens": 2048, "inputs_to_host_tokens": -1}, None),
@@ -42,6 +43,7 @@ VARIANTS = [
     ("layers through the reentrant checkpoint", {}, None),  # ENVS
 ]
 ENVS = {"autograd through each logits chunk": "DARK_HEAD_DIRECT=0",  # a variant's environment setting
+        "projection without the CUDA graph": "DARK_PROTECT_GRAPH=0",
         "layers through the reentrant checkpoint": "DARK_LAYER_PASS=0"}
 
 
