@@ -53,6 +53,20 @@ def test_the_block_manager_lends_the_highest_free_run_and_takes_it_back():
     assert bm.allocate(b) and b.num_computed == 0  # a fresh prefill: the cached keys went with the loan
 
 
+def test_serving_short_of_blocks_while_some_are_lent_says_so():
+    bm = BlockManager(16, 4)
+    assert not bm.allocate(seq_of(list(range(80)))) and not bm.short  # too long, but nothing is lent
+    start = bm.lend(8, keep_free=4)
+    assert bm.lent == 8
+    assert not bm.allocate(seq_of(list(range(40)))) and bm.short      # 10 blocks wanted, 8 free: the loan is in the way
+    bm.take_back(start, 8)
+    assert bm.lent == 0 and not bm.short
+    s = seq_of(list(range(40)))
+    assert bm.allocate(s)
+    start = bm.lend(4, keep_free=0)
+    assert not bm.ensure(s, 60) and bm.short                          # a running sequence cannot grow
+
+
 def test_a_loan_places_tensors_apart_and_frees_them_with_the_last_release():
     cache = KVCache(num_layers=2, num_blocks=32, block_size=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
                     device=torch.device("cpu"))
@@ -167,6 +181,33 @@ def test_a_job_borrows_free_blocks_trains_the_same_weights_and_gives_them_back(l
     per_block = engine.cache.data[0, 0, 0].numel() * 2 * model.config.num_layers
     zeroed = int((engine.cache.data == 0).sum())
     assert zeroed == report["bytes"] // engine.cache.data.element_size() and zeroed % per_block == 0
+
+
+def test_a_job_gives_its_loan_back_when_serving_runs_short(llm):
+    """Serving short of blocks while a loan is out (the block manager's flag, as a failed allocation sets it): the
+    job gives the blocks back before its next step, checkpoints from there, and ends at the weights of a job without
+    a loan."""
+    tr, engine = llm.learner.trainer, llm.engine
+    model = tr.model
+    free = engine.blocks.num_free
+    examples = [{"messages": CONVS[0]}, {"messages": CONVS[1]}]
+    results, lent = {}, []
+
+    def on_step(step, loss):
+        lent.append(engine.blocks.lent)
+        if step == 1 and engine.blocks.lent:
+            engine.blocks.short = True  # what a request finding too few free blocks leaves behind
+
+    for loan in (False, True):
+        cfg = LearnConfig(max_steps=3, min_steps=3, checkpoint_tokens=0, kv_loan=loan).validate()
+        items = tr.build_items(examples, [], "sft", cfg)
+        start = AdapterWeights.init(LoraConfig().validate(), model.config.projection_shapes(), model.config.num_layers)
+        lent.clear()
+        results[loan] = tr.train(start, None, items, cfg, on_step)
+    assert lent[0] > 0 and lent[1:] == [0, 0]  # lent for the first step only
+    assert results[True].kv_loan["given_back_early"] and not engine.blocks.short
+    assert engine.blocks.num_free == free
+    assert weights_distance(results[True].weights, results[False].weights, start) < 1e-5
 
 
 def test_serving_keeps_its_share_while_blocks_are_lent(llm):

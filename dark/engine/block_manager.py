@@ -27,6 +27,8 @@ class BlockManager:
         self.cached_tokens = 0  # prompt tokens whose keys and values came from the prefix cache
         # free blocks in the order they should be reused: never-hashed first, then least recently freed
         self.free: "OrderedDict[int, None]" = OrderedDict((i, None) for i in range(num_blocks))
+        self.lent = 0        # blocks lent to training (lend)
+        self.short = False   # serving found too few free blocks while some were lent: training gives them back
 
     @property
     def num_free(self) -> int:
@@ -59,6 +61,7 @@ class BlockManager:
         fresh = self.blocks_needed(len(tokens)) - len(cached)
         revived = sum(1 for b in cached if self.ref[b] == 0)
         if fresh + revived > self.num_free:
+            self.short = self.lent > 0
             return False
         for b in cached:
             if self.ref[b] == 0:
@@ -75,6 +78,7 @@ class BlockManager:
         """Make room for the sequence to hold num_tokens tokens. False if the cache is out of blocks."""
         need = self.blocks_needed(num_tokens) - len(seq.block_table)
         if need > self.num_free:
+            self.short = self.lent > 0
             return False
         seq.block_table.extend(self._take() for _ in range(max(need, 0)))
         return True
@@ -128,6 +132,7 @@ class BlockManager:
                 self.by_hash.pop(self.hash_of[b], None)
                 self.hash_of[b] = None
             self.ref[b] = 1
+        self.lent += count
         return start
 
     def take_back(self, start: int, count: int) -> None:
@@ -137,3 +142,5 @@ class BlockManager:
                 raise ValueError(f"block {b} was not lent")
             self.ref[b] = 0
             self.free[b] = None
+        self.lent -= count
+        self.short = False

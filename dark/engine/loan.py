@@ -9,8 +9,9 @@ keeps there what the backward of each layer reads (its input, q/k/v, the attenti
 gate/up product), and gives the blocks back when the job ends. Its backward then recomputes only the elementwise
 parts (norms, the GLU, the attention's forward from the kept q/k/v) and no projection.
 
-Serving always keeps `KEEP_FREE` of the cache's blocks free and never waits for a loan: a job borrows only what is
-free beyond that, or nothing (and checkpoints as before), and lent blocks carry no prefix-cache entries.
+Serving always keeps `KEEP_FREE` of the cache's blocks free: a job borrows only what is free beyond that, or nothing
+(and checkpoints as before), and lent blocks carry no prefix-cache entries. Should serving still run short while a
+loan is out (a burst of long requests), the job gives the blocks back at its next step and checkpoints from there.
 """
 from __future__ import annotations
 
@@ -150,6 +151,11 @@ class KVLender:
         loan = Loan(cache.data, *got)
         log.debug("borrowed KV blocks %d..%d (%.2f GB) for training", got[0], got[0] + got[1] - 1, loan.nbytes / 1e9)
         return loan
+
+    def wanted(self) -> bool:
+        """Whether serving has run short of free blocks while some are lent (a request waits, or a sequence was
+        preempted): the trainer then gives its loan back at the next step and checkpoints from there."""
+        return self.engine.blocks.short
 
     def give_back(self, loan: Loan) -> None:
         """Zero the lent blocks (serving never reads what training left there), wait for the device to be done with

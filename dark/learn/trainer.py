@@ -501,6 +501,7 @@ class Trainer:
         self._loan_tried = False
         self._kept = None  # the protector whose bases the loan holds for the job
         self._proj_graph = None  # (CUDA graph of the job's projection, its A-before buffer in the loan)
+        self.returned = None
         if self.stream is not None and hasattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch"):
             # the factors' gradient accumulators outlive a step, and steps (and parts) move between the trainer's
             # streams on purpose, each waiting for the last (_step_stream): the mismatch warning would fire every job
@@ -729,24 +730,31 @@ class Trainer:
                 log.warning("optimizer state does not fit this adapter; starting it afresh")
         marks["moments_in"] = time.perf_counter()
         self._loan, self._loan_tried, self._kept, self._proj_graph = None, False, None, None
+        self.returned = None  # the job's loan once given back before its end
         try:
             result = self._train_loop(weights, items, cfg, on_step, low_precision, marks, keys, params, flat, opt,
                                       load_moments, waited, park)
-            if self._loan is not None:
-                result.kv_loan = {"bytes": self._loan.nbytes, "layers_kept": self._loan.placed,
-                                  "bases_bytes": self._loan.bases_bytes,
-                                  "projection_graph": self._proj_graph is not None}
+            loan = self._loan or self.returned
+            if loan is not None:
+                result.kv_loan = {"bytes": loan.nbytes, "layers_kept": loan.placed, "bases_bytes": loan.bases_bytes,
+                                  "projection_graph": self._proj_graph is not None,
+                                  "given_back_early": self._loan is None}
             return result
         finally:
             if isinstance(inflight, MomentsIn):  # whatever happened, the helper is done with the staging buffer
                 inflight.wait()
-            self._proj_graph = None  # before the loan goes: its buffers are in it
-            if self._kept is not None:
-                self._kept.drop_kept()
-                self._kept = None
-            if self._loan is not None:  # whatever happened, the blocks go back to serving
-                loan, self._loan = self._loan, None
-                self.kv_lender.give_back(loan)
+            self._return_loan()  # whatever happened, the blocks go back to serving
+
+    def _return_loan(self) -> None:
+        """Give the job's loan of KV blocks back (the graph and the bases held in it go first)."""
+        self._proj_graph = None
+        if self._kept is not None:
+            self._kept.drop_kept()
+            self._kept = None
+        if self._loan is not None:
+            loan, self._loan = self._loan, None
+            self.returned = loan
+            self.kv_lender.give_back(loan)
 
     def _project(self, protector: Protector, keys, a_factors, before, cfg: LearnConfig) -> None:
         """The protector's projection of a step's changes to A. On CUDA, in a job of several steps whose bases all
@@ -824,6 +832,8 @@ class Trainer:
         losses, verified, kept, step, step_items, check_s = [], False, True, 0, [], 0.0
         rng = random.Random(0)
         while True:
+            if self._loan is not None and self.kv_lender.wanted():
+                self._return_loan()  # serving ran short of blocks: the rest of the job checkpoints
             # each step on the stream of the moment (serving busy or not); the previous step ended in a host
             # sync (its loss), so its work is done whichever stream this one takes
             with self._step_stream():
