@@ -197,32 +197,40 @@ def test_checkpointed_layer_inputs_wait_on_the_host(tiny_models, tmp_path):
         assert (num / den) ** 0.5 < 1e-2, (num, den)
 
 
+def shared_prefix_pass(mc, dev):
+    """Random LoRA factors on every projection (B not zero) and a random shared-prefix batch of 940 tokens (40 shared,
+    3 x 300) with random weights for a loss on its hidden states: params, the TrainLoRA, ids, positions, the loss's
+    weights, the attention."""
+    from dark.config import LoraConfig
+    from dark.engine.attention import SharedPrefixAttention
+    from dark.learn.trainer import TrainLoRA
+    from dark.lora.weights import AdapterWeights
+
+    start = AdapterWeights.init(LoraConfig(target_modules=LORA_TARGETS).validate(), mc.projection_shapes(),
+                                mc.num_layers, seed=3)
+    params = {k: (a.to(dev).requires_grad_(), (torch.randn_like(b) * 0.05).to(dev).requires_grad_())
+              for k, (a, b) in start.tensors.items()}
+    lora = TrainLoRA(params, start.scaling, {m: o for m, (_, o) in mc.projection_shapes().items()})
+    prefix, batch, length = 40, 3, 300
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, mc.vocab_size, (prefix + batch * length,), generator=gen).to(dev)
+    pos = torch.tensor(list(range(prefix)) + list(range(prefix, prefix + length)) * batch, device=dev)
+    weight = torch.randn(prefix + batch * length, mc.hidden_size, generator=gen).to(dev)
+    return params, lora, ids, pos, weight, SharedPrefixAttention(prefix, batch, length, dev)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_hand_written_layer_backward_on_the_kernels(tiny_models, tmp_path, dtype, monkeypatch):
     """dark.models.train_layer on CUDA, where it runs dark's Triton norm, rotary and SiLU kernels and their
     backward kernels, and SDPA's fused attention: the hidden states and LoRA gradients of the reentrant checkpoint
     (autograd through the same kernels' Functions), within the rounding of the dtype, for a shared-prefix batch."""
-    from dark.config import LoraConfig
-    from dark.engine.attention import SharedPrefixAttention
-    from dark.learn.trainer import TrainLoRA
-    from dark.lora.weights import AdapterWeights
     from dark.models import train_layer
 
     with OnlineLLM(str(tiny_models["qwen2"]), data_dir=tmp_path, device=DEVICE, dtype=dtype) as llm:
         model, mc, dev = llm.model, llm.model.config, torch.device(DEVICE)
         assert model.model.layers[0].self_attn.fused  # the kernels' path
         dt = getattr(torch, dtype)
-        start = AdapterWeights.init(LoraConfig(target_modules=LORA_TARGETS).validate(), mc.projection_shapes(),
-                                    mc.num_layers, seed=3)
-        params = {k: (a.to(dev).requires_grad_(), (torch.randn_like(b) * 0.05).to(dev).requires_grad_())
-                  for k, (a, b) in start.tensors.items()}
-        lora = TrainLoRA(params, start.scaling, {m: o for m, (_, o) in mc.projection_shapes().items()})
-        prefix, batch, length = 40, 3, 300
-        gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, mc.vocab_size, (prefix + batch * length,), generator=gen).to(dev)
-        pos = torch.tensor(list(range(prefix)) + list(range(prefix, prefix + length)) * batch, device=dev)
-        weight = torch.randn(prefix + batch * length, mc.hidden_size, generator=gen).to(dev)
-        attn = SharedPrefixAttention(prefix, batch, length, dev)
+        params, lora, ids, pos, weight, attn = shared_prefix_pass(mc, dev)
         by_hand = []
         counted = train_layer._LayerPass.apply
         monkeypatch.setattr(train_layer._LayerPass, "apply", lambda *a: by_hand.append(1) or counted(*a))
@@ -245,27 +253,13 @@ def test_layers_kept_in_lent_kv_blocks_on_the_kernels(tiny_models, tmp_path, dty
     """dark.engine.loan on CUDA: a checkpointed pass whose layers keep their activations in blocks the engine lent
     gives the hidden states and LoRA gradients of the same pass recomputing every layer (the same kernels on the same
     inputs: equal to the dtype's rounding at most), every layer finds room, and the blocks go back zeroed."""
-    from dark.config import LoraConfig
-    from dark.engine.attention import SharedPrefixAttention
     from dark.engine.loan import KVLender
-    from dark.learn.trainer import TrainLoRA
-    from dark.lora.weights import AdapterWeights
     from dark.models import train_layer
 
     with OnlineLLM(str(tiny_models["qwen2"]), data_dir=tmp_path, device=DEVICE, dtype=dtype) as llm:
         model, mc, dev = llm.model, llm.model.config, torch.device(DEVICE)
         dt = getattr(torch, dtype)
-        start = AdapterWeights.init(LoraConfig(target_modules=LORA_TARGETS).validate(), mc.projection_shapes(),
-                                    mc.num_layers, seed=3)
-        params = {k: (a.to(dev).requires_grad_(), (torch.randn_like(b) * 0.05).to(dev).requires_grad_())
-                  for k, (a, b) in start.tensors.items()}
-        lora = TrainLoRA(params, start.scaling, {m: o for m, (_, o) in mc.projection_shapes().items()})
-        prefix, batch, length = 40, 3, 300
-        gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, mc.vocab_size, (prefix + batch * length,), generator=gen).to(dev)
-        pos = torch.tensor(list(range(prefix)) + list(range(prefix, prefix + length)) * batch, device=dev)
-        weight = torch.randn(prefix + batch * length, mc.hidden_size, generator=gen).to(dev)
-        attn = SharedPrefixAttention(prefix, batch, length, dev)
+        params, lora, ids, pos, weight, attn = shared_prefix_pass(mc, dev)
         lender = KVLender(llm.engine)
         free = llm.engine.blocks.num_free
         loan = lender.borrow([train_layer.kept_shapes(layer, len(ids)) for layer in model.model.layers], dt)
@@ -289,7 +283,8 @@ def test_layers_kept_in_lent_kv_blocks_on_the_kernels(tiny_models, tmp_path, dty
 def test_a_job_with_a_kv_loan_projects_through_a_cuda_graph(tiny_models, tmp_path, monkeypatch):
     """A checkpointed job of several steps on CUDA borrows KV blocks, copies the protector's bases into them once,
     and replays its projection as a CUDA graph captured at the first step: the weights of the same job projecting
-    eagerly (DARK_PROTECT_GRAPH=0), every block free again after each."""
+    eagerly (DARK_PROTECT_GRAPH=0), every block free again after each; so does a job that gives its loan (and the
+    graph with it) back after two steps, serving having run short of blocks."""
     from dark.config import LearnConfig, LoraConfig
     from dark.learn.data import normalize_examples
     from dark.lora.weights import AdapterWeights
@@ -302,16 +297,24 @@ def test_a_job_with_a_kv_loan_projects_through_a_cuda_graph(tiny_models, tmp_pat
         examples = normalize_examples([{"prompt": "A greeting in Zoggian", "response": "zog"},
                                        {"prompt": "How to say 'hello' in Zoggian?", "response": "zog"}], "sft")
         out = {}
-        for graph in ("1", "0"):
-            monkeypatch.setenv("DARK_PROTECT_GRAPH", graph)
+
+        def short_after_two(step, loss):  # serving runs short of blocks: the loan (and the graph) go mid-job
+            if step == 2:
+                llm.engine.blocks.short = True
+
+        for graph in ("1", "0", "1, given back"):
+            monkeypatch.setenv("DARK_PROTECT_GRAPH", graph[0])
             cfg = LearnConfig(max_steps=4, min_steps=4, kl_weight=0.0, checkpoint_tokens=0).validate()
-            out[graph] = tr.train(start, None, tr.build_items(examples, [], "sft", cfg), cfg)
-            assert llm.engine.blocks.num_free == free
+            out[graph] = tr.train(start, None, tr.build_items(examples, [], "sft", cfg), cfg,
+                                  short_after_two if "given" in graph else None)
+            assert llm.engine.blocks.num_free == free and not llm.engine.blocks.short
         assert out["1"].kv_loan["projection_graph"] and not out["0"].kv_loan["projection_graph"]
         assert out["1"].kv_loan["bases_bytes"] > 0
-        assert out["1"].losses == pytest.approx(out["0"].losses, rel=1e-3)
-        num = sum(float((u - v).square().sum()) for k in start.tensors
-                  for u, v in zip(out["1"].weights.tensors[k], out["0"].weights.tensors[k]))
-        den = sum(float((v - s).square().sum()) for k in start.tensors
-                  for v, s in zip(out["0"].weights.tensors[k], start.tensors[k]))
-        assert (num / den) ** 0.5 < 1e-3, (num, den)
+        assert out["1, given back"].kv_loan["given_back_early"] and not out["1"].kv_loan["given_back_early"]
+        for graph in ("1", "1, given back"):
+            assert out[graph].losses == pytest.approx(out["0"].losses, rel=1e-3)
+            num = sum(float((u - v).square().sum()) for k in start.tensors
+                      for u, v in zip(out[graph].weights.tensors[k], out["0"].weights.tensors[k]))
+            den = sum(float((v - s).square().sum()) for k in start.tensors
+                      for v, s in zip(out["0"].weights.tensors[k], start.tensors[k]))
+            assert (num / den) ** 0.5 < 1e-3, (graph, num, den)
