@@ -5,6 +5,7 @@ backward, on a tiny random model on the CPU, through the real engine and trainer
 from __future__ import annotations
 
 import gc
+import math
 
 import pytest
 import torch
@@ -173,7 +174,7 @@ def test_a_job_borrows_free_blocks_trains_the_same_weights_and_gives_them_back(l
         results[loan] = tr.train(start, None, items, cfg)
     assert results[False].kv_loan is None
     report = results[True].kv_loan
-    assert report["bytes"] > 0 and report["layers_kept"] >= model.config.num_layers  # every layer, in each pass
+    assert report["bytes"] > 0 and report["layers_kept"] >= model.config.num_layers  # sized for the first pass
     assert report["bases_bytes"] > 0  # the protector projected with its bases held in the loan after the first step
     assert results[True].losses == pytest.approx(results[False].losses, rel=1e-6, abs=1e-7)
     assert weights_distance(results[True].weights, results[False].weights, start) < 1e-5
@@ -208,6 +209,24 @@ def test_a_job_gives_its_loan_back_when_serving_runs_short(llm):
     assert results[True].kv_loan["given_back_early"] and not engine.blocks.short
     assert engine.blocks.num_free == free
     assert weights_distance(results[True].weights, results[False].weights, start) < 1e-5
+
+
+@pytest.mark.parametrize("tokens", [64, 160])  # the tiny model's CPU cache: 256 blocks, 192 of them lendable
+def test_a_loan_sized_with_held_tensors_keeps_every_layer_beside_them(llm, tokens):
+    """borrow(..., held): room for the tensors held for the job (the protector's bases, at the regions' ends) and
+    for every layer's kept tensors of the pass it was sized for (at their starts), the one beside the other."""
+    engine = llm.engine
+    lender = KVLender(engine)
+    layers = [train_layer.kept_shapes(layer, tokens) for layer in llm.model.model.layers]
+    held = [math.prod(layers[0][-1]) // 3, 5000, 70_000, 123]
+    loan = lender.borrow(layers, engine.cache.data.dtype, held)
+    assert loan is not None
+    try:
+        assert all(loan.hold(n) is not None for n in held)
+        placed = [loan.place(shapes) for shapes in layers]
+        assert all(p is not None for p in placed)
+    finally:
+        lender.give_back(loan)
 
 
 def test_serving_keeps_its_share_while_blocks_are_lent(llm):

@@ -119,11 +119,13 @@ class KVLender:
         self.engine = engine
         cache = engine.cache.data
         self.per_block = math.prod(cache.shape[3:])  # elements of one block in one (layer, key/value) region
+        self.element_size = cache.element_size()
         self.regions = cache.shape[0] * 2
 
-    def borrow(self, layers: list[list[tuple[int, ...]]], dtype: torch.dtype) -> Loan | None:
-        """A loan with room for these layers' kept tensors (as many of the layers as the free blocks allow), or None
-        when not even one layer's fit, the dtypes differ, or the engine is closed."""
+    def borrow(self, layers: list[list[tuple[int, ...]]], dtype: torch.dtype, held: list[int] = ()) -> Loan | None:
+        """A loan with room for these layers' kept tensors (as many of the layers as the free blocks allow) and for
+        tensors of `held` elements kept for the whole job (Loan.hold: the protector's bases), or None when not even
+        one layer's fit, the dtypes differ, or the engine is closed."""
         cache, blocks = self.engine.cache, self.engine.blocks
         if not layers or cache.data.dtype != dtype:
             return None
@@ -131,8 +133,11 @@ class KVLender:
         keep_free = math.ceil(KEEP_FREE * total)
         biggest = max(math.prod(s) for layer in layers for s in layer)
         count = -(-(biggest + ALIGN) // self.per_block)
-        while fits(layers, self.regions, count * self.per_block) < len(layers) and count < total:
+        wanted = layers + ([[(n,) for n in held]] if held else [])
+        while fits(wanted, self.regions, count * self.per_block) < len(wanted) and count < total:
             count = min(total, math.ceil(count * 1.1))
+        if held:  # held tensors go at the regions' ends, placements at their starts: a margin for the two packings
+            count = min(total, math.ceil(count * 1.05))
 
         def lend():
             room = blocks.num_free - keep_free

@@ -77,13 +77,22 @@ class Protector:
         self._stream: torch.cuda.Stream | None = None  # where bases in host memory cross to the device
         self._resident: dict[int, torch.Tensor] = {}  # id(basis in host memory) -> its copy in a job's loan
 
+    def _host_bases(self, element_size: int) -> list[torch.Tensor]:
+        """The distinct bases in host memory whose elements are element_size bytes (those keep_in copies)."""
+        return [v for v in {id(v): v for v in self.bases.values()}.values()
+                if v.device.type == "cpu" and v.element_size() == element_size]
+
+    def host_sizes(self, element_size: int) -> list[int]:
+        """Elements of each basis keep_in would copy into a loan of this element size (to size the loan)."""
+        return [v.numel() for v in self._host_bases(element_size)]
+
     def keep_in(self, loan) -> int:
         """Copy the bases kept in host memory into room held in a loan of KV blocks (dark.engine.loan) for the job,
         as many as it has room for: the job's steps then project with those copies, and no basis crosses the bus
         again until drop_kept(). Returns the bytes copied."""
         moved = 0
-        for v in {id(v): v for v in self.bases.values()}.values():
-            if v.device.type != "cpu" or id(v) in self._resident or v.element_size() != loan.regions[0].element_size():
+        for v in self._host_bases(loan.regions[0].element_size()):
+            if id(v) in self._resident:
                 continue
             room = loan.hold(v.numel())
             if room is None:

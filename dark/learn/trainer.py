@@ -502,6 +502,7 @@ class Trainer:
         self._kept = None  # the protector whose bases the loan holds for the job
         self._proj_graph = None  # (CUDA graph of the job's projection, its A-before buffer in the loan)
         self.returned = None
+        self._job_protector = None  # the job's protector: the loan is sized for its bases too
         if self.stream is not None and hasattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch"):
             # the factors' gradient accumulators outlive a step, and steps (and parts) move between the trainer's
             # streams on purpose, each waiting for the last (_step_stream): the mismatch warning would fire every job
@@ -536,8 +537,10 @@ class Trainer:
         if remat and kv_loan and self.kv_lender is not None and not self._loan_tried:
             self._loan_tried = True  # once a job: a loan sized for its first checkpointed pass, or none
             dtype = self.model.model.embed_tokens.weight.dtype
+            protector = self._job_protector
+            held = protector.host_sizes(self.kv_lender.element_size) if protector is not None else []
             self._loan = self.kv_lender.borrow([train_layer.kept_shapes(layer, len(ids))
-                                                for layer in self.model.model.layers], dtype)
+                                                for layer in self.model.model.layers], dtype, held)
         saved = None
         if remat and dev.type == "cuda" and 0 <= inputs_to_host_tokens < len(ids):
             if self._inputs_to_host is None:
@@ -807,7 +810,7 @@ class Trainer:
     def _train_loop(self, weights, items, cfg, on_step, low_precision, marks, keys, params, flat, opt, load_moments,
                     waited, park: "ParkedMoments | None") -> TrainResult:
         lora = TrainLoRA(params, weights.scaling, {m: o for m, (_, o) in self.model.config.projection_shapes().items()})
-        protector = self.protector(cfg.protect_energy)
+        protector = self._job_protector = self.protector(cfg.protect_energy)
         if protector is not None:
             with torch.no_grad():
                 zero_b = torch.stack([b.abs().amax() == 0 for _, b in params.values()]).tolist()  # one sync
