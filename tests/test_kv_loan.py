@@ -184,6 +184,20 @@ def test_a_job_borrows_free_blocks_trains_the_same_weights_and_gives_them_back(l
     assert zeroed == report["bytes"] // engine.cache.data.element_size() and zeroed % per_block == 0
 
 
+def test_a_model_whose_layers_keep_nothing_borrows_nothing(tiny_models, tmp_path):
+    """Qwen3's q/k norms send its layers through the reentrant checkpoint, which keeps nothing in a loan: a
+    checkpointed job there takes no blocks from serving."""
+    with OnlineLLM(str(tiny_models["qwen3"]), data_dir=tmp_path) as q3:
+        tr = q3.learner.trainer
+        cfg = LearnConfig(max_steps=1, min_steps=1, checkpoint_tokens=0).validate()
+        lent = []
+        result = tr.train(AdapterWeights.init(LoraConfig().validate(), q3.model.config.projection_shapes(),
+                                              q3.model.config.num_layers), None,
+                          tr.build_items([{"messages": CONVS[0]}], [], "sft", cfg), cfg,
+                          lambda step, loss: lent.append(q3.engine.blocks.lent))
+        assert result.steps == 1 and result.kv_loan is None and lent == [0]
+
+
 def test_a_job_gives_its_loan_back_when_serving_runs_short(llm):
     """Serving short of blocks while a loan is out (the block manager's flag, as a failed allocation sets it): the
     job gives the blocks back before its next step, checkpoints from there, and ends at the weights of a job without

@@ -534,8 +534,11 @@ class Trainer:
         remat = torch.is_grad_enabled() and 0 <= checkpoint_tokens < len(ids)
         if isinstance(lora, TrainLoRA):
             lora = lora.prepared(self.model.model.embed_tokens.weight.dtype)
-        if remat and kv_loan and self.kv_lender is not None and not self._loan_tried:
-            self._loan_tried = True  # once a job: a loan sized for its first checkpointed pass, or none
+        if (remat and kv_loan and self.kv_lender is not None and not self._loan_tried
+                and train_layer.applies(self.model.model.layers[0], lora, torch.empty(0, device=dev))):
+            # once a job: a loan sized for its first checkpointed pass, or none (nor any for a model whose layers take
+            # the reentrant checkpoint, which keeps nothing in a loan: q/k norms)
+            self._loan_tried = True
             dtype = self.model.model.embed_tokens.weight.dtype
             protector = self._job_protector
             held = protector.host_sizes(self.kv_lender.element_size) if protector is not None else []
