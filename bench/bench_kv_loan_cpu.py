@@ -11,13 +11,16 @@ all 7 linear projections, AdamW, the same rendered example, `steps` steps (ms a 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_learn_cpu import emit, machine, peft_model  # noqa: E402
 
 WORDS = ("the river bends north past the old mill where the miller keeps a ledger of every sack of grain and every "
          "visitor who asks for the road to the coast").split()
@@ -64,15 +67,9 @@ def bench_dark(ex: dict, steps: int, rounds: int) -> dict:
 
 
 def bench_peft(model_path, ex: dict, steps: int) -> dict:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from dark.learn.data import render
 
-    tok = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=[
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    tok, model = peft_model(model_path)
     r = render(tok, [{"role": "user", "content": ex["prompt"]}, {"role": "assistant", "content": ex["response"]}])
     ids, labels = torch.tensor([r.input_ids]), torch.tensor([r.labels])
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
@@ -98,17 +95,13 @@ def main():
     from dark.models.loader import resolve_model
 
     ex = example(args.reply_words)
-    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "machine": f"{platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}",
+    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(args.threads),
               "dark": bench_dark(ex, args.steps, args.rounds),
               "peft": bench_peft(resolve_model(None, "cpu"), ex, args.steps)}
     d = result["dark"]
     result["ratios"] = {"loan_speedup": round(d["ms_per_step_without_loan"] / d["ms_per_step_with_loan"], 3),
                         "peft_over_dark_with_loan": round(result["peft"]["ms_per_step"] / d["ms_per_step_with_loan"], 3)}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

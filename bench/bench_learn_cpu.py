@@ -42,16 +42,33 @@ def bench_dark() -> dict:
     return {"load_s": round(load, 2), "runs": runs}
 
 
-def bench_peft(model_path) -> dict:
+def peft_model(model_path):
+    """(tokenizer, the model in fp32 with LoRA r16 on all 7 linear projections through PEFT)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dark.learn.data import render
-
     tok = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=[
+    return tok, get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+
+
+def machine(threads: int) -> str:
+    return f"{platform.processor() or platform.machine()}, {threads} threads, torch {torch.__version__}"
+
+
+def emit(result: dict, out: str) -> None:
+    """Print a benchmark's result, and write it to `out` when given."""
+    print(json.dumps(result, indent=1))
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def bench_peft(model_path) -> dict:
+    from dark.learn.data import render
+
+    tok, model = peft_model(model_path)
     rendered = [render(tok, [{"role": "user", "content": e["prompt"]}, {"role": "assistant", "content": e["response"]}]) for e in ZOG]
     n = max(len(r.input_ids) for r in rendered)
     ids = torch.tensor([r.input_ids + [0] * (n - len(r.input_ids)) for r in rendered])
@@ -81,13 +98,8 @@ def main():
     torch.set_num_threads(args.threads)
     from dark.models.loader import resolve_model
 
-    result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.processor() or platform.machine()}, "
-              f"{args.threads} threads, torch {torch.__version__}",
-              "dark": bench_dark(), "peft_naive": bench_peft(resolve_model(None, "cpu"))}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    emit({"date": time.strftime("%Y-%m-%d"), "machine": machine(args.threads),
+          "dark": bench_dark(), "peft_naive": bench_peft(resolve_model(None, "cpu"))}, args.out)
 
 
 if __name__ == "__main__":
