@@ -501,7 +501,7 @@ class Trainer:
         self._loan_tried = False
         self._kept = None  # the protector whose bases the loan holds for the job
         self._proj_graph = None  # (CUDA graph of the job's projection, its A-before buffer in the loan)
-        self.returned = None
+        self._returned = None
         self._job_protector = None  # the job's protector: the loan is sized for its bases too
         if self.stream is not None and hasattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch"):
             # the factors' gradient accumulators outlive a step, and steps (and parts) move between the trainer's
@@ -736,11 +736,11 @@ class Trainer:
                 log.warning("optimizer state does not fit this adapter; starting it afresh")
         marks["moments_in"] = time.perf_counter()
         self._loan, self._loan_tried, self._kept, self._proj_graph = None, False, None, None
-        self.returned = None  # the job's loan once given back before its end
+        self._returned = None  # the job's loan once given back before its end
         try:
             result = self._train_loop(weights, items, cfg, on_step, low_precision, marks, keys, params, flat, opt,
                                       load_moments, waited, park)
-            loan = self._loan or self.returned
+            loan = self._loan or self._returned
             if loan is not None:
                 result.kv_loan = {"bytes": loan.nbytes, "layers_kept": loan.placed, "bases_bytes": loan.bases_bytes,
                                   "projection_graph": self._proj_graph is not None,
@@ -759,7 +759,7 @@ class Trainer:
             self._kept = None
         if self._loan is not None:
             loan, self._loan = self._loan, None
-            self.returned = loan
+            self._returned = loan
             self.kv_lender.give_back(loan)
 
     def _project(self, protector: Protector, keys, a_factors, before, cfg: LearnConfig) -> None:
