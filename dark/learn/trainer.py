@@ -500,7 +500,7 @@ class Trainer:
         self._loan = None
         self._loan_tried = False
         self._kept = None  # the protector whose bases the loan holds for the job
-        self._proj_graph = None  # (CUDA graph of the job's projection, its A-before buffer in the loan)
+        self._proj_graph = None  # (CUDA graph of the projection, its A-before buffer in the loan); False: none
         self._returned = None
         self._job_protector = None  # the job's protector: the loan is sized for its bases too
         if self.stream is not None and hasattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch"):
@@ -535,7 +535,7 @@ class Trainer:
         if isinstance(lora, TrainLoRA):
             lora = lora.prepared(self.model.model.embed_tokens.weight.dtype)
         if (remat and kv_loan and self.kv_lender is not None and not self._loan_tried
-                and train_layer.applies(self.model.model.layers[0], lora, torch.empty(0, device=dev))):
+                and train_layer.applies(self.model.model.layers[0], lora, self.model.model.embed_tokens.weight)):
             # once a job: a loan sized for its first checkpointed pass, or none (nor any for a model whose layers take
             # the reentrant checkpoint, which keeps nothing in a loan: q/k norms)
             self._loan_tried = True
@@ -743,7 +743,7 @@ class Trainer:
             loan = self._loan or self._returned
             if loan is not None:
                 result.kv_loan = {"bytes": loan.nbytes, "layers_kept": loan.placed, "bases_bytes": loan.bases_bytes,
-                                  "projection_graph": self._proj_graph is not None,
+                                  "projection_graph": bool(self._proj_graph),
                                   "given_back_early": self._loan is None}
             return result
         finally:
@@ -768,13 +768,18 @@ class Trainer:
         launch instead of ~1,500 host calls a 7B step (DARK_PROTECT_GRAPH=0: never). Its A-before buffer is held
         in the loan; the graph's own memory is one basis widened at a time."""
         use = (self._loan is not None and self.device.type == "cuda" and cfg.max_steps > 1
-               and os.environ.get("DARK_PROTECT_GRAPH", "1") != "0" and protector.all_kept())
+               and self._proj_graph is not False and os.environ.get("DARK_PROTECT_GRAPH", "1") != "0"
+               and protector.all_kept())
         if not use:
             protector.project_updates(keys, a_factors, before)
             return
         if self._proj_graph is None:
-            static = [self._loan.hold(2 * b.numel()) if b.dtype == torch.float32 else None for b in before]
-            if any(r is None for r in static) or self._loan.dtype.itemsize != 2:
+            # the A-before buffer (fp32) in a half-precision loan, or no graph for the job (False: not tried again,
+            # so no step holds more of the loan)
+            fits = self._loan.dtype.itemsize == 2 and all(b.dtype == torch.float32 for b in before)
+            static = [self._loan.hold(2 * b.numel()) for b in before] if fits else [None]
+            if any(r is None for r in static):
+                self._proj_graph = False
                 protector.project_updates(keys, a_factors, before)
                 return
             static = [r.view(torch.float32).view(b.shape).copy_(b) for r, b in zip(static, before)]
