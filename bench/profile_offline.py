@@ -10,6 +10,9 @@ Three parts, in one process on the GPU:
               over 32 adapters (rank 16 on the 7 projections)
   offline     run_all's offline run (256 requests, lengths uniform in 100..1024): the steps per graph bucket,
               how many rows each bucket padded, and the host's time per step outside the runner
+  offline_split_ab  the offline run with a mixed step's decode rows in the flash batch, then through paged_decode
+  offline_trace  the same run's first --trace-seconds (its prefill steps) under torch.profiler: the GPU's busy
+              time by kernel against the wall time of each step; the timeline to --trace
 
     PYTHONPATH=$PWD python bench/profile_offline.py --tokenizer .data/tok --out /tmp/offline.json
 """
@@ -198,12 +201,15 @@ def adapter_variants(llm, clock: StepClock) -> list[dict]:
     return out
 
 
-def offline(llm, clock: StepClock, n: int) -> dict:
+def offline(llm, clock: StepClock, n: int, salt: int = 0) -> dict:
+    """salt: another run's prompts of the same lengths (a run after one with salt 0 finds none of its prefixes in
+    the cache)."""
     from dark.engine.runner import GRAPH_BUCKETS
 
     runner = llm.engine.runner
     rng = random.Random(0)
-    reqs = [(prompts_ids(1, rng.randint(100, 1024), 1000 + i)[0], rng.randint(100, 1024), None) for i in range(n)]
+    reqs = [(prompts_ids(1, rng.randint(100, 1024), 1000 + i + salt)[0], rng.randint(100, 1024), None)
+            for i in range(n)]
     run_requests(llm, warm_requests(n, 5000))
     clock.clear()
     before = (runner.ahead_launched, runner.ahead_used, runner.ahead_narrowed)
@@ -230,12 +236,59 @@ def offline(llm, clock: StepClock, n: int) -> dict:
     return r
 
 
+def offline_trace(llm, clock: StepClock, n: int, seconds: float, trace: Path | None) -> dict:
+    """run_all's offline requests, the first `seconds` profiled: per prefill step (a step with prompt chunks) its
+    wall time and the GPU kernel time inside it, and the kernels of those steps by name."""
+    import bisect
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    rng = random.Random(0)
+    reqs = [(prompts_ids(1, rng.randint(100, 1024), 1000 + i)[0], rng.randint(100, 1024), None) for i in range(n)]
+    run_requests(llm, warm_requests(n, 5000))
+    clock.clear()
+    th = threading.Thread(target=run_requests, args=(llm, reqs), daemon=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("dark_t0"):  # the profiler's clock at perf_counter's t0
+            t0 = time.perf_counter()
+        th.start()
+        time.sleep(seconds)
+    th.join()
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
+    events = prof.events()
+    base = next(e.time_range.start for e in events if e.name == "dark_t0") / 1e6
+    kernels = sorted(((e.time_range.start / 1e6 - base, e.time_range.end / 1e6 - base, e.name)
+                      for e in events if e.device_type.name == "CUDA"))
+    starts = [k[0] for k in kernels]
+    steps = [(s - t0, e - t0, tok, q) for (s, e, tok), q in zip(clock.steps, clock.seqs) if s - t0 < seconds]
+    rows, by_name = [], collections.Counter()
+    for s, e, tok, q in steps:
+        busy = 0.0
+        for ks, ke, name in kernels[bisect.bisect_left(starts, s - 0.05):bisect.bisect_left(starts, e)]:
+            if ke > s:
+                busy += min(ke, e) - max(ks, s)
+                if tok != q:
+                    by_name[name[:90]] += (min(ke, e) - max(ks, s)) * 1000
+        rows.append({"t_ms": round(1000 * s, 1), "wall_ms": round(1000 * (e - s), 2), "gpu_ms": round(1000 * busy, 2),
+                     "tokens": tok, "seqs": q})
+    pre = [r for r in rows if r["tokens"] != r["seqs"]]
+    r = {"steps": rows[:60], "prefill_steps": len(pre), "prefill_wall_ms": round(sum(x["wall_ms"] for x in pre), 1),
+         "prefill_gpu_ms": round(sum(x["gpu_ms"] for x in pre), 1),
+         "prefill_kernels_ms": [[k, round(v, 2)] for k, v in by_name.most_common(40)]}
+    print("offline_trace", json.dumps({k: v for k, v in r.items() if k != "steps"}), flush=True)
+    return r
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokenizer", type=Path, default=Path(".data/tok"))
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--parts", nargs="+", default=["attention", "steady", "offline"])
     ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--trace-seconds", type=float, default=4.0)
+    ap.add_argument("--trace", type=Path)
     a = ap.parse_args()
     from dark import OnlineLLM
 
@@ -247,7 +300,7 @@ def main() -> None:
             report["attention"] = attention_micro(dev)
         if "attention_graph" in a.parts:
             report["attention_graph"] = attention_graph(dev)
-        if not {"steady", "offline", "prefill", "adapter"} & set(a.parts):
+        if not {"steady", "offline", "offline_split_ab", "offline_trace", "prefill", "adapter"} & set(a.parts):
             return
         tmp = Path(tempfile.mkdtemp(prefix="dark-offline-", dir="/dev/shm"))
         build_folder(QWEN25_7B, a.tokenizer.resolve(), tmp / "model", dev)
@@ -258,6 +311,19 @@ def main() -> None:
         try:
             if "offline" in a.parts:
                 report["offline"] = offline(llm, clock, a.requests)
+            if "offline_split_ab" in a.parts:  # mixed steps' decode rows through flash, then the default again
+                import dark.engine.attention as attention
+
+                report["offline_split_ab"] = {}
+                runs = (("decode rows through paged_decode", True), ("decode rows through flash", False),
+                        ("decode rows through paged_decode again", True), ("decode rows through flash again", False))
+                for i, (label, on) in enumerate(runs):
+                    attention.SPLIT_DECODE_ROWS = on
+                    report["offline_split_ab"][label] = offline(llm, clock, a.requests, salt=10_000 * (i + 1))
+                attention.SPLIT_DECODE_ROWS = True
+            if "offline_trace" in a.parts:
+                clock.clear()
+                report["offline_trace"] = offline_trace(llm, clock, a.requests, a.trace_seconds, a.trace)
             clock.clear()
             if "prefill" in a.parts:  # 16 prompts of 100..1024 tokens, one output token each: prefill steps alone
                 from profile_prefill import profiled_prefill

@@ -38,7 +38,8 @@ def test_shared_prefix_matches_each_sequence_alone(prefix, batch, length):
         assert torch.allclose(a, b, atol=1e-10)
 
 
-def paged_step_case(device, dtype, heads=4, kvh=2, dim=16, bs=4, seqs=((9, 1), (0, 7), (5, 6), (2, 1), (0, 1))):
+def paged_step_case(device, dtype, heads=4, kvh=2, dim=16, bs=4, seqs=((9, 1), (0, 7), (5, 6), (2, 1), (0, 1)),
+                    decode_kernel=False):
     """One step holding decode rows, prefills from position 0 and chunks continuing a cached context, in blocks
     scattered through a one-layer cache: (PagedAttention's output, the reference). The reference for each token
     is causal attention over its own sequence's keys (float64 on the CPU)."""
@@ -66,7 +67,7 @@ def paged_step_case(device, dtype, heads=4, kvh=2, dim=16, bs=4, seqs=((9, 1), (
     q = torch.randn(sum(q_lens), heads, dim, dtype=torch.float64)
     k_new = torch.cat([k[c:] for (c, _), k in zip(seqs, full_k)])
     v_new = torch.cat([v[c:] for (c, _), v in zip(seqs, full_v)])
-    attn = PagedAttention(cache, q_lens, ctx_lens, tables, slot_mapping)
+    attn = PagedAttention(cache, q_lens, ctx_lens, tables, slot_mapping, decode_kernel=decode_kernel)
     out = attn.attend(0, *(t.to(device, dtype) for t in (q, k_new, v_new)))
     refs = []
     row = 0

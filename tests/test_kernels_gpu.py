@@ -658,6 +658,34 @@ def test_paged_prefill_step_varlen_flash_matches_reference(dtype):
         attention.VARLEN_ATTENTION = True
 
 
+@pytest.mark.parametrize("seqs", [((300, 1), (0, 517), (130, 211), (37, 1), (0, 1), (1000, 64), (0, 16)),
+                                  ((300, 1), (37, 1), (0, 1), (2000, 1), (0, 517), (130, 211))])
+def test_paged_prefill_step_sends_its_decode_rows_to_the_decode_kernel(seqs):
+    """The runner's path (decode_kernel: its Triton kernels on): a step mixing prefill chunks with single-token
+    rows attends those rows through paged_decode and the chunks through the packed flash batch, interleaved rows
+    (first case) or the decode rows first, as the scheduler puts running sequences (second): each row equals
+    causal attention over its own sequence, and the flash path's output within bf16 rounding."""
+    from test_attention import paged_step_case
+
+    attn, out, ref = paged_step_case("cuda", torch.bfloat16, heads=28, kvh=4, dim=128, bs=16, seqs=seqs,
+                                     decode_kernel=True)
+    assert attn.varlen and attn.decode is not None and attn.prefill_rows is not None
+    decode_rows = [i for i, n in enumerate(n for _, n in seqs) if n == 1]
+    assert attn.decode[1].shape[0] == len(decode_rows)
+    if decode_rows == list(range(len(decode_rows))):
+        assert attn.decode[0] == slice(0, len(decode_rows)) and attn.prefill_rows.start == len(decode_rows)
+    out = out.cpu()
+    assert rel_err(out, ref) < BF16_TOL
+    starts = [0]
+    for _, n in seqs:
+        starts.append(starts[-1] + n)
+    for i, (_, n) in enumerate(seqs):  # every decode row, and the first and last row of each chunk
+        for row in {starts[i], starts[i] + n - 1}:
+            assert rel_err(out[row], ref[row]) < BF16_TOL, row
+    _, flash, _ = paged_step_case("cuda", torch.bfloat16, heads=28, kvh=4, dim=128, bs=16, seqs=seqs)
+    assert rel_err(out, flash.cpu()) < BF16_TOL
+
+
 def test_qkv_delta_in_the_rotary_under_dependent_launch():
     """A batch of one with an adapter, Qwen2.5-7B shapes: the norm writes q/k/v's codes, their GEMV runs as the
     base model's and qkv_rotary_store adds the delta, reading the codes before its own wait (the norm is two

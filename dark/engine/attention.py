@@ -27,6 +27,9 @@ class KVCache:
 
 
 VARLEN_ATTENTION = os.environ.get("DARK_VARLEN_ATTENTION", "1") != "0"
+# a mixed step's decode rows through the paged decode kernel rather than the packed flash batch (DARK_SPLIT_DECODE_ROWS=0:
+# every row through flash, as before 2026-12-03)
+SPLIT_DECODE_ROWS = os.environ.get("DARK_SPLIT_DECODE_ROWS", "1") != "0"
 
 
 def varlen_applies(cache: torch.Tensor) -> bool:
@@ -43,14 +46,16 @@ class PagedAttention:
 
     On CUDA in bf16/fp16 the step's sequences attend as one packed variable-length batch through the flash
     kernel torch ships (each sequence's keys gathered from its blocks, causal aligned to the bottom right, no
-    padding and no mask). Elsewhere (the CPU, float32/64, or DARK_VARLEN_ATTENTION=0) they attend as one padded
+    padding and no mask); with `decode_kernel` (the runner's Triton kernels on), a step that mixes prefill chunks with
+    single-token rows sends those rows to paged_decode instead (_split_decode_rows). Elsewhere (the CPU,
+    float32/64, or DARK_VARLEN_ATTENTION=0) they attend as one padded
     batch under a dense mask in SDPA. (Attending each prefill chunk alone with bottom-right causal SDPA was tried
     on 2026-12-01: its ~8k-token prefill steps of the offline benchmark measured 676-795 ms on the H200 against
     418 ms for the padded form.)
     """
 
     def __init__(self, cache: KVCache, q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]],
-                 slot_mapping: torch.Tensor):
+                 slot_mapping: torch.Tensor, decode_kernel: bool = False):
         device = cache.data.device
         self.cache = cache
         self.slot_mapping = slot_mapping
@@ -58,20 +63,29 @@ class PagedAttention:
         nb = max(len(t) for t in block_tables)
         self.block_tables = torch.tensor([t + [0] * (nb - len(t)) for t in block_tables], dtype=torch.long, device=device)
         self.max_q = max(q_lens)
-        q_lens_t = torch.tensor(q_lens, device=device)
-        ctx_t = torch.tensor(ctx_lens, device=device)
         self.varlen = varlen_applies(cache.data)
+        self.decode = None  # (token rows, block tables, context lengths) of the rows paged_decode attends
         if self.varlen:
+            rows = list(range(len(q_lens)))
+            if decode_kernel and SPLIT_DECODE_ROWS and self.max_q > 1 and 1 in q_lens:
+                rows = self._split_decode_rows(q_lens, ctx_lens, device)
+            self.prefill_rows = None if len(rows) == len(q_lens) else self._token_rows(q_lens, rows, device)
+            q_sub, ctx_sub = [q_lens[i] for i in rows], [ctx_lens[i] for i in rows]
+            tables = self.block_tables if len(rows) == len(q_lens) else self.block_tables[torch.tensor(rows, device=device)]
+            q_lens_t = torch.tensor(q_sub, device=device)
+            ctx_t = torch.tensor(ctx_sub, device=device)
             zero = torch.zeros(1, dtype=torch.int32, device=device)
             self.cu_q = torch.cat([zero, torch.cumsum(q_lens_t, 0, dtype=torch.int32)])
             self.cu_k = torch.cat([zero, torch.cumsum(ctx_t, 0, dtype=torch.int32)])
-            self.max_k = max(ctx_lens)
-            total_k = sum(ctx_lens)
+            self.max_q, self.max_k = max(q_sub), max(ctx_sub)
+            total_k = sum(ctx_sub)
             # key i of the packed batch: sequence seq_of_k[i], position pos[i], cache slot kv_index[i]
-            seq_of_k = torch.repeat_interleave(torch.arange(len(ctx_lens), device=device), ctx_t, output_size=total_k)
+            seq_of_k = torch.repeat_interleave(torch.arange(len(ctx_sub), device=device), ctx_t, output_size=total_k)
             pos = torch.arange(total_k, device=device) - self.cu_k[:-1].long()[seq_of_k]
-            self.kv_index = self.block_tables[seq_of_k, pos // bs] * bs + pos % bs
+            self.kv_index = tables[seq_of_k, pos // bs] * bs + pos % bs
             return
+        q_lens_t = torch.tensor(q_lens, device=device)
+        ctx_t = torch.tensor(ctx_lens, device=device)
         # token i of the flat batch sits at (row b, column j) of the padded query batch
         self.q_row = torch.repeat_interleave(torch.arange(len(q_lens), device=device), q_lens_t)
         starts = torch.cumsum(q_lens_t, 0) - q_lens_t
@@ -81,16 +95,52 @@ class PagedAttention:
         # padded query rows see key 0 at least, so softmax never meets an empty row
         self.mask = ((kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < ctx_t[:, None, None]))[:, None]
 
+    def _split_decode_rows(self, q_lens: list[int], ctx_lens: list[int], device) -> list[int]:
+        """Send the step's decode rows (one new token of a running sequence) to paged_decode, which reads each
+        one's keys straight from its blocks; the rest (prefill chunks) stay in the packed flash batch. In that batch
+        a single query row still costs a whole query tile over its context, and its keys are gathered first: with
+        ~240 sequences decoding beside an 8k-token prefill, ~30 ms of a ~200 ms step (bench/RESULTS.md,
+        2026-12-03). Returns the rows left to the flash batch."""
+        dec = [i for i, n in enumerate(q_lens) if n == 1]
+        rows = self._token_rows(q_lens, dec, device)
+        picked = torch.tensor(dec, device=device)
+        self.decode = (rows, self.block_tables[picked], torch.tensor([ctx_lens[i] for i in dec], device=device))
+        return [i for i, n in enumerate(q_lens) if n != 1]
+
+    @staticmethod
+    def _token_rows(q_lens: list[int], seqs: list[int], device):
+        """The flat batch's token rows of these sequences, in order: a slice when they are consecutive."""
+        starts = [0]
+        for n in q_lens:
+            starts.append(starts[-1] + n)
+        if seqs == list(range(seqs[0], seqs[-1] + 1)):
+            return slice(starts[seqs[0]], starts[seqs[-1] + 1])
+        return torch.tensor([t for i in seqs for t in range(starts[i], starts[i + 1])], device=device)
+
+    def _flash(self, kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        heads, dim = kc.shape[-2:]
+        keys = kc.view(-1, heads, dim).index_select(0, self.kv_index)
+        values = vc.view(-1, heads, dim).index_select(0, self.kv_index)
+        return torch.ops.aten._flash_attention_forward(q.contiguous(), keys, values, self.cu_q, self.cu_k,
+                                                       self.max_q, self.max_k, 0.0, True, False)[0]
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kc, vc = self.cache.data[layer, 0], self.cache.data[layer, 1]
         heads, dim = kc.shape[-2:]
         kc.view(-1, heads, dim)[self.slot_mapping] = k
         vc.view(-1, heads, dim)[self.slot_mapping] = v
         if self.varlen:
-            keys = kc.view(-1, heads, dim).index_select(0, self.kv_index)
-            values = vc.view(-1, heads, dim).index_select(0, self.kv_index)
-            return torch.ops.aten._flash_attention_forward(q.contiguous(), keys, values, self.cu_q, self.cu_k,
-                                                           self.max_q, self.max_k, 0.0, True, False)[0]
+            if self.decode is None:
+                return self._flash(kc, vc, q)
+            from ..models.decoder import kernel_module
+
+            rows, tables, ctx = self.decode
+            out = torch.empty_like(q)
+            out[rows] = kernel_module("paged_attention").paged_decode(
+                q[rows].contiguous(), kc, vc, tables, ctx, dim ** -0.5)
+            if self.prefill_rows is not None:
+                out[self.prefill_rows] = self._flash(kc, vc, q[self.prefill_rows])
+            return out
         b = self.block_tables.shape[0]
         keys = kc[self.block_tables].view(b, -1, heads, dim).transpose(1, 2)
         values = vc[self.block_tables].view(b, -1, heads, dim).transpose(1, 2)

@@ -101,7 +101,8 @@ class ModelRunner:
                 last_rows.append(len(ids) - 1)
                 sampled_seqs.append(seq)
         dev = self.device
-        attn = PagedAttention(self.cache, q_lens, ctx_lens, tables, torch.tensor(slot_mapping, device=dev))
+        attn = PagedAttention(self.cache, q_lens, ctx_lens, tables, torch.tensor(slot_mapping, device=dev),
+                              decode_kernel=self.fast_decode)
         lora = self.slots.context(slots_of_tokens)
         hidden = self.model.hidden_states(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), attn, lora)
         if not sampled_seqs:
