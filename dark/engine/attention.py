@@ -104,7 +104,12 @@ class PagedAttention:
         dec = [i for i, n in enumerate(q_lens) if n == 1]
         rows = self._token_rows(q_lens, dec, device)
         picked = torch.tensor(dec, device=device)
-        self.decode = (rows, self.block_tables[picked], torch.tensor([ctx_lens[i] for i in dec], device=device))
+        # block tables as the decode steps' graphs hand them to the kernel (int32, rows 16-aligned): the kernel
+        # compiled for those serves these rows too, with no compile in the middle of serving
+        width = -(-self.block_tables.shape[1] // 16) * 16
+        tables = torch.zeros(len(dec), width, dtype=torch.int32, device=device)
+        tables[:, :self.block_tables.shape[1]] = self.block_tables[picked]
+        self.decode = (rows, tables, torch.tensor([ctx_lens[i] for i in dec], device=device))
         return [i for i, n in enumerate(q_lens) if n != 1]
 
     @staticmethod
