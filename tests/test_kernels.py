@@ -1138,3 +1138,50 @@ def test_adapter_kernel_tilings_agree(monkeypatch):
     torch.testing.assert_close(codes, ref_codes, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
+
+
+@pytest.mark.parametrize("seqs", [((9, 1), (0, 7), (5, 6), (2, 1), (0, 1)), ((9, 1), (2, 1), (30, 1), (0, 7), (5, 6))])
+def test_mixed_step_sends_decode_rows_to_the_kernel(monkeypatch, seqs):
+    """PagedAttention's split of a step mixing prefill chunks with single-token rows (the runner's path on CUDA):
+    the rows go to paged_decode at their graph bucket's context ranges, the chunks to the packed batch. Its
+    bookkeeping, on any device: the packed batch's flash call is replaced by plain causal attention over the same
+    cu_q / cu_k / kv_index, and every row must equal causal attention over its own sequence (interleaved rows, and
+    the decode rows first as the scheduler puts running sequences)."""
+    import torch.nn.functional as F
+
+    import dark.engine.attention as attention
+    from test_attention import paged_step_case
+
+    def packed(self, kc, vc, q):  # what the flash kernel computes from the packed batch's metadata
+        heads, dim = kc.shape[-2:]
+        keys, values = (c.reshape(-1, heads, dim)[self.kv_index] for c in (kc, vc))
+        outs = []
+        for b in range(len(self.cu_q) - 1):
+            qs = q[self.cu_q[b]:self.cu_q[b + 1]].transpose(0, 1)
+            ks, vs = (t[self.cu_k[b]:self.cu_k[b + 1]].transpose(0, 1) for t in (keys, values))
+            nq, nk = qs.shape[1], ks.shape[1]
+            mask = torch.arange(nk, device=q.device)[None, :] <= (nk - nq) + torch.arange(nq, device=q.device)[:, None]
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True).transpose(0, 1))
+        return torch.cat(outs)
+
+    monkeypatch.setattr(attention, "varlen_applies", lambda cache: True)
+    monkeypatch.setattr(attention.PagedAttention, "_flash", packed)
+    attn, out, ref = paged_step_case(DEV, torch.float32, seqs=seqs, decode_kernel=True)
+    decode_rows = [i for i, (_, n) in enumerate(seqs) if n == 1]
+    assert attn.decode is not None and attn.decode[1].shape[0] == len(decode_rows)
+    assert attn.decode[1].dtype == torch.int32 and attn.decode[1].shape[1] % 16 == 0
+    assert attn.decode[3] == paged_decode_splits(len(decode_rows))
+    assert rel_err(out.cpu().double(), ref) < 1e-5
+    # without the kernel (DARK_SPLIT_DECODE_ROWS=0, or the runner's kernels off) every row goes to the packed batch
+    monkeypatch.setattr(attention, "SPLIT_DECODE_ROWS", False)
+    attn, out, ref = paged_step_case(DEV, torch.float32, seqs=seqs, decode_kernel=True)
+    assert attn.decode is None and attn.prefill_rows is None
+    assert rel_err(out.cpu().double(), ref) < 1e-5
+
+
+def paged_decode_splits(rows: int) -> int:
+    """The context ranges the decode graph of the bucket holding `rows` sequences uses (2 key/value heads)."""
+    from dark.engine.runner import GRAPH_BUCKETS
+    from dark.kernels.paged_attention import default_splits
+
+    return default_splits(next(b for b in GRAPH_BUCKETS if b >= rows), 2)

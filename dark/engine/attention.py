@@ -64,7 +64,7 @@ class PagedAttention:
         self.block_tables = torch.tensor([t + [0] * (nb - len(t)) for t in block_tables], dtype=torch.long, device=device)
         self.max_q = max(q_lens)
         self.varlen = varlen_applies(cache.data)
-        self.decode = None  # (token rows, block tables, context lengths) of the rows paged_decode attends
+        self.decode = None  # (token rows, block tables, context lengths, ranges, stages): the rows paged_decode attends
         if self.varlen:
             rows = list(range(len(q_lens)))
             if decode_kernel and SPLIT_DECODE_ROWS and self.max_q > 1 and 1 in q_lens:
@@ -109,7 +109,15 @@ class PagedAttention:
         width = -(-self.block_tables.shape[1] // 16) * 16
         tables = torch.zeros(len(dec), width, dtype=torch.int32, device=device)
         tables[:, :self.block_tables.shape[1]] = self.block_tables[picked]
-        self.decode = (rows, tables, torch.tensor([ctx_lens[i] for i in dec], device=device))
+        # and the context ranges and pipelining of the decode graph whose bucket holds this many rows: the kernel
+        # variants those graphs compiled (a batch size no graph had, e.g. 13 rows, would compile new ones mid-serving)
+        from ..models.decoder import kernel_module
+        from .runner import GRAPH_BUCKETS
+
+        bucket = next((b for b in GRAPH_BUCKETS if b >= len(dec)), len(dec))
+        splits = kernel_module("paged_attention").default_splits(bucket, self.cache.data.shape[-2])
+        self.decode = (rows, tables, torch.tensor([ctx_lens[i] for i in dec], device=device), splits,
+                       3 if bucket >= 16 else None)
         return [i for i, n in enumerate(q_lens) if n != 1]
 
     @staticmethod
@@ -139,10 +147,10 @@ class PagedAttention:
                 return self._flash(kc, vc, q)
             from ..models.decoder import kernel_module
 
-            rows, tables, ctx = self.decode
+            rows, tables, ctx, splits, stages = self.decode
             out = torch.empty_like(q)
             out[rows] = kernel_module("paged_attention").paged_decode(
-                q[rows].contiguous(), kc, vc, tables, ctx, dim ** -0.5)
+                q[rows].contiguous(), kc, vc, tables, ctx, dim ** -0.5, splits=splits, num_stages=stages)
             if self.prefill_rows is not None:
                 out[self.prefill_rows] = self._flash(kc, vc, q[self.prefill_rows])
             return out
