@@ -22,13 +22,13 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_decode import replay_ms  # noqa: E402
 from probe_partition import K, M, N, gemm_alone, together  # noqa: E402
 
 H, I, LAYERS, QKV = 3584, 18944, 28, 4608
@@ -113,15 +113,7 @@ def main() -> None:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, stream=main_stream):
                     step(kind, tile)
-                for _ in range(3):
-                    graph.replay()
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                for _ in range(20):
-                    graph.replay()
-                e.record()
-            e.synchronize()
-            alone = s.elapsed_time(e) / 20
+                alone = replay_ms(graph, 20)
             row = {"decode_alone_ms": round(alone, 3), "decode_alone_tb_s": round(gb / alone, 2)}
             for label, stream in [("every_sm_low_priority", low)] + [(f"green_{n}", s_) for n, s_ in shared.items()]:
                 t = together(main_stream, stream, graph, xg, wg, og, reps=40)
