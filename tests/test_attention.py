@@ -83,10 +83,20 @@ def paged_step_case(device, dtype, heads=4, kvh=2, dim=16, bs=4, seqs=((9, 1), (
     return attn, out, torch.stack(refs)
 
 
-def test_paged_step_mixing_decodes_and_prefill_chunks_matches_dense():
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("seqs", [((9, 1), (0, 7), (5, 6), (2, 1), (0, 1)), ((9, 1), (30, 1), (0, 7), (5, 6))])
+def test_paged_step_mixing_decodes_and_prefill_chunks_matches_dense(monkeypatch, split, seqs):
     """Each token's output equals causal attention over its own sequence's keys, read back from the paged cache
-    (the padded form under a mask, which serves steps on the CPU)."""
-    attn, out, ref = paged_step_case("cpu", torch.float64)
+    (the padded form under a mask, which serves steps on the CPU): with the single-token rows in a padded batch of
+    their own (interleaved with the chunks, or first as the scheduler puts running sequences), and with every row
+    padded to the longest chunk (DARK_SPLIT_DECODE_ROWS=0)."""
+    import dark.engine.attention as attention
+
+    monkeypatch.setattr(attention, "SPLIT_DECODE_ROWS", split)
+    attn, out, ref = paged_step_case("cpu", torch.float64, seqs=seqs)
     assert not attn.varlen
+    assert len(attn.padded) == (2 if split else 1)
+    if split:  # the single rows' batch pads to one query
+        assert attn.padded[0][1][4] == 1 and attn.padded[1][1][4] == 7
     for row in range(ref.shape[0]):
         assert torch.allclose(out[row], ref[row], atol=1e-12), row

@@ -338,7 +338,9 @@ def test_chunked_logprobs_equal_the_full_log_softmax(llm, chunk, head):
         torch.testing.assert_close(chosen, full_chosen, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(top, full.detach().max(-1).values, rtol=1e-5, atol=1e-5)
         chosen.sum().backward()
-        assert_grads_close(grads(lora), want_grads, rtol=1e-5)
+        # fp32 sums in another order (the head's gradient chunk by chunk): ~1e-5 of the largest entry on some CPUs
+        # (1.003e-5 seen on 2026-12-03); a lost or doubled chunk is off by far more
+        assert_grads_close(grads(lora), want_grads, rtol=1e-4)
     # full rows of the later sequences only (anchors beside taught examples): the same rows, the same values
     with torch.no_grad():
         chosen, owner, top, part = tr._token_logprobs(rendered, lora, LearnConfig(logits_chunk=chunk), full_from=1)

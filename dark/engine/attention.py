@@ -27,8 +27,9 @@ class KVCache:
 
 
 VARLEN_ATTENTION = os.environ.get("DARK_VARLEN_ATTENTION", "1") != "0"
-# a mixed step's decode rows through the paged decode kernel rather than the packed flash batch (DARK_SPLIT_DECODE_ROWS=0:
-# every row through flash, as before 2026-12-03)
+# a mixed step's single-token rows apart from its prefill chunks: through the paged decode kernel rather than the
+# packed flash batch, or in a padded batch of their own rather than padded to the longest chunk (DARK_SPLIT_DECODE_ROWS=0:
+# every row in one batch, as before 2026-12-03)
 SPLIT_DECODE_ROWS = os.environ.get("DARK_SPLIT_DECODE_ROWS", "1") != "0"
 
 
@@ -48,8 +49,9 @@ class PagedAttention:
     kernel torch ships (each sequence's keys gathered from its blocks, causal aligned to the bottom right, no
     padding and no mask); with `decode_kernel` (the runner's Triton kernels on), a step that mixes prefill chunks with
     single-token rows sends those rows to paged_decode instead (_split_decode_rows). Elsewhere (the CPU,
-    float32/64, or DARK_VARLEN_ATTENTION=0) they attend as one padded
-    batch under a dense mask in SDPA. (Attending each prefill chunk alone with bottom-right causal SDPA was tried
+    float32/64, or DARK_VARLEN_ATTENTION=0) they attend as a padded batch under a dense mask in SDPA, the
+    single-token rows of a mixed step in a batch of their own (padded to one query, not to the longest chunk).
+    (Attending each prefill chunk alone with bottom-right causal SDPA was tried
     on 2026-12-01: its ~8k-token prefill steps of the offline benchmark measured 676-795 ms on the H200 against
     418 ms for the padded form.)
     """
@@ -60,12 +62,13 @@ class PagedAttention:
         self.cache = cache
         self.slot_mapping = slot_mapping
         bs = cache.block_size
-        nb = max(len(t) for t in block_tables)
-        self.block_tables = torch.tensor([t + [0] * (nb - len(t)) for t in block_tables], dtype=torch.long, device=device)
         self.max_q = max(q_lens)
         self.varlen = varlen_applies(cache.data)
         self.decode = None  # (token rows, block tables, context lengths, ranges, stages): the rows paged_decode attends
         if self.varlen:
+            nb = max(len(t) for t in block_tables)
+            self.block_tables = torch.tensor([t + [0] * (nb - len(t)) for t in block_tables], dtype=torch.long,
+                                             device=device)
             rows = list(range(len(q_lens)))
             if decode_kernel and SPLIT_DECODE_ROWS and self.max_q > 1 and 1 in q_lens:
                 rows = self._split_decode_rows(q_lens, ctx_lens, device)
@@ -84,16 +87,46 @@ class PagedAttention:
             pos = torch.arange(total_k, device=device) - self.cu_k[:-1].long()[seq_of_k]
             self.kv_index = tables[seq_of_k, pos // bs] * bs + pos % bs
             return
+        # the padded form: one padded query batch per group of sequences; a step mixing single-token rows with
+        # prefill chunks attends the two apart, or each single row would be padded to the longest chunk's length
+        groups = [list(range(len(q_lens)))]
+        if SPLIT_DECODE_ROWS and self.max_q > 1 and 1 in q_lens:
+            groups = [[i for i, n in enumerate(q_lens) if n == 1], [i for i, n in enumerate(q_lens) if n != 1]]
+        self.padded = [(None if len(groups) == 1 else self._token_rows(q_lens, g, device),
+                        self._padded_batch([q_lens[i] for i in g], [ctx_lens[i] for i in g],
+                                           [block_tables[i] for i in g], bs, device)) for g in groups]
+
+    @staticmethod
+    def _padded_batch(q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]], bs: int, device) -> tuple:
+        """(block tables, row and column of each token in the padded query batch, the mask, its query length) of
+        these sequences."""
+        nb = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (nb - len(t)) for t in block_tables], dtype=torch.long, device=device)
         q_lens_t = torch.tensor(q_lens, device=device)
         ctx_t = torch.tensor(ctx_lens, device=device)
+        max_q = max(q_lens)
         # token i of the flat batch sits at (row b, column j) of the padded query batch
-        self.q_row = torch.repeat_interleave(torch.arange(len(q_lens), device=device), q_lens_t)
+        q_row = torch.repeat_interleave(torch.arange(len(q_lens), device=device), q_lens_t)
         starts = torch.cumsum(q_lens_t, 0) - q_lens_t
-        self.q_col = torch.arange(sum(q_lens), device=device) - starts[self.q_row]
-        qpos = (ctx_t - q_lens_t)[:, None] + torch.arange(self.max_q, device=device)[None, :]
+        q_col = torch.arange(sum(q_lens), device=device) - starts[q_row]
+        qpos = (ctx_t - q_lens_t)[:, None] + torch.arange(max_q, device=device)[None, :]
         kpos = torch.arange(nb * bs, device=device)
         # padded query rows see key 0 at least, so softmax never meets an empty row
-        self.mask = ((kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < ctx_t[:, None, None]))[:, None]
+        mask = ((kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < ctx_t[:, None, None]))[:, None]
+        return tables, q_row, q_col, mask, max_q
+
+    @staticmethod
+    def _padded_attend(batch: tuple, kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        tables, q_row, q_col, mask, max_q = batch
+        heads, dim = kc.shape[-2:]
+        b = tables.shape[0]
+        keys = kc[tables].view(b, -1, heads, dim).transpose(1, 2)
+        values = vc[tables].view(b, -1, heads, dim).transpose(1, 2)
+        qp = q.new_zeros(b, max_q, q.shape[1], dim)
+        qp[q_row, q_col] = q
+        out = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, values, attn_mask=mask,
+                                             enable_gqa=heads != q.shape[1])
+        return out.transpose(1, 2)[q_row, q_col]
 
     def _split_decode_rows(self, q_lens: list[int], ctx_lens: list[int], device) -> list[int]:
         """Send the step's decode rows (one new token of a running sequence) to paged_decode, which reads each
@@ -154,14 +187,12 @@ class PagedAttention:
             if self.prefill_rows is not None:
                 out[self.prefill_rows] = self._flash(kc, vc, q[self.prefill_rows])
             return out
-        b = self.block_tables.shape[0]
-        keys = kc[self.block_tables].view(b, -1, heads, dim).transpose(1, 2)
-        values = vc[self.block_tables].view(b, -1, heads, dim).transpose(1, 2)
-        qp = q.new_zeros(b, self.max_q, q.shape[1], dim)
-        qp[self.q_row, self.q_col] = q
-        out = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, values, attn_mask=self.mask,
-                                             enable_gqa=heads != q.shape[1])
-        return out.transpose(1, 2)[self.q_row, self.q_col]
+        if len(self.padded) == 1:
+            return self._padded_attend(self.padded[0][1], kc, vc, q)
+        out = torch.empty_like(q)
+        for rows, batch in self.padded:
+            out[rows] = self._padded_attend(batch, kc, vc, q[rows])
+        return out
 
 
 class PagedDecodeAttention:
