@@ -65,13 +65,15 @@ class PagedAttention:
         self.max_q = max(q_lens)
         self.varlen = varlen_applies(cache.data)
         self.decode = None  # (token rows, block tables, context lengths, ranges, stages): the rows paged_decode attends
+        # a step mixing single-token rows with prefill chunks attends the two apart (SPLIT_DECODE_ROWS)
+        single = [i for i, n in enumerate(q_lens) if n == 1] if SPLIT_DECODE_ROWS and self.max_q > 1 else []
+        rest = [i for i, n in enumerate(q_lens) if n != 1] if single else list(range(len(q_lens)))
         if self.varlen:
-            nb = max(len(t) for t in block_tables)
-            self.block_tables = torch.tensor([t + [0] * (nb - len(t)) for t in block_tables], dtype=torch.long,
-                                             device=device)
+            self.block_tables = self._tables(block_tables, device)
             rows = list(range(len(q_lens)))
-            if decode_kernel and SPLIT_DECODE_ROWS and self.max_q > 1 and 1 in q_lens:
-                rows = self._split_decode_rows(q_lens, ctx_lens, device)
+            if decode_kernel and single:
+                self._split_decode_rows(q_lens, ctx_lens, single, device)
+                rows = rest
             self.prefill_rows = None if len(rows) == len(q_lens) else self._token_rows(q_lens, rows, device)
             q_sub, ctx_sub = [q_lens[i] for i in rows], [ctx_lens[i] for i in rows]
             tables = self.block_tables if len(rows) == len(q_lens) else self.block_tables[torch.tensor(rows, device=device)]
@@ -87,21 +89,25 @@ class PagedAttention:
             pos = torch.arange(total_k, device=device) - self.cu_k[:-1].long()[seq_of_k]
             self.kv_index = tables[seq_of_k, pos // bs] * bs + pos % bs
             return
-        # the padded form: one padded query batch per group of sequences; a step mixing single-token rows with
-        # prefill chunks attends the two apart, or each single row would be padded to the longest chunk's length
-        groups = [list(range(len(q_lens)))]
-        if SPLIT_DECODE_ROWS and self.max_q > 1 and 1 in q_lens:
-            groups = [[i for i, n in enumerate(q_lens) if n == 1], [i for i, n in enumerate(q_lens) if n != 1]]
+        # the padded form: one padded query batch per group of sequences, the single-token rows in their own (else
+        # each would be padded to the longest chunk's length)
+        groups = [single, rest] if single else [rest]
         self.padded = [(None if len(groups) == 1 else self._token_rows(q_lens, g, device),
                         self._padded_batch([q_lens[i] for i in g], [ctx_lens[i] for i in g],
                                            [block_tables[i] for i in g], bs, device)) for g in groups]
 
     @staticmethod
+    def _tables(block_tables: list[list[int]], device) -> torch.Tensor:
+        """The sequences' block tables as one tensor, rows padded with block 0 to the longest."""
+        nb = max(len(t) for t in block_tables)
+        return torch.tensor([t + [0] * (nb - len(t)) for t in block_tables], dtype=torch.long, device=device)
+
+    @staticmethod
     def _padded_batch(q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]], bs: int, device) -> tuple:
         """(block tables, row and column of each token in the padded query batch, the mask, its query length) of
         these sequences."""
-        nb = max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [0] * (nb - len(t)) for t in block_tables], dtype=torch.long, device=device)
+        tables = PagedAttention._tables(block_tables, device)
+        nb = tables.shape[1]
         q_lens_t = torch.tensor(q_lens, device=device)
         ctx_t = torch.tensor(ctx_lens, device=device)
         max_q = max(q_lens)
@@ -128,13 +134,12 @@ class PagedAttention:
                                              enable_gqa=heads != q.shape[1])
         return out.transpose(1, 2)[q_row, q_col]
 
-    def _split_decode_rows(self, q_lens: list[int], ctx_lens: list[int], device) -> list[int]:
-        """Send the step's decode rows (one new token of a running sequence) to paged_decode, which reads each
-        one's keys straight from its blocks; the rest (prefill chunks) stay in the packed flash batch. In that batch
-        a single query row still costs a whole query tile over its context, and its keys are gathered first: with
-        ~240 sequences decoding beside an 8k-token prefill, ~30 ms of a ~200 ms step (bench/RESULTS.md,
-        2026-12-03). Returns the rows left to the flash batch."""
-        dec = [i for i, n in enumerate(q_lens) if n == 1]
+    def _split_decode_rows(self, q_lens: list[int], ctx_lens: list[int], dec: list[int], device) -> None:
+        """Send the step's single-token rows `dec` (a running sequence's next token) to paged_decode, which reads
+        each one's keys straight from its blocks; the rest (prefill chunks) stay in the packed flash batch. In that
+        batch a single query row still costs a whole query tile over its context, and its keys are gathered first:
+        with ~240 sequences decoding beside an 8k-token prefill, ~30 ms of a ~200 ms step (bench/RESULTS.md,
+        2026-12-03)."""
         rows = self._token_rows(q_lens, dec, device)
         picked = torch.tensor(dec, device=device)
         # block tables as the decode steps' graphs hand them to the kernel (int32, rows 16-aligned): the kernel
@@ -151,7 +156,6 @@ class PagedAttention:
         splits = kernel_module("paged_attention").default_splits(bucket, self.cache.data.shape[-2])
         self.decode = (rows, tables, torch.tensor([ctx_lens[i] for i in dec], device=device), splits,
                        3 if bucket >= 16 else None)
-        return [i for i, n in enumerate(q_lens) if n != 1]
 
     @staticmethod
     def _token_rows(q_lens: list[int], seqs: list[int], device):
@@ -184,8 +188,7 @@ class PagedAttention:
             out = torch.empty_like(q)
             out[rows] = kernel_module("paged_attention").paged_decode(
                 q[rows].contiguous(), kc, vc, tables, ctx, dim ** -0.5, splits=splits, num_stages=stages)
-            if self.prefill_rows is not None:
-                out[self.prefill_rows] = self._flash(kc, vc, q[self.prefill_rows])
+            out[self.prefill_rows] = self._flash(kc, vc, q[self.prefill_rows])  # a split step has chunks too
             return out
         if len(self.padded) == 1:
             return self._padded_attend(self.padded[0][1], kc, vc, q)
