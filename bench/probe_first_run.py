@@ -1,0 +1,93 @@
+"""Why the first offline run in a process is slower than the next: what compiles, allocates or captures in it.
+
+Sets the engine up as profile_offline.py does (Qwen2.5-7B shapes, random bf16 weights), then runs run_all's offline
+run (256 requests after the short warm-up requests) --runs times, each with prompts of the same lengths but new
+tokens (no run finds another's prefixes in the cache). For each run: tok/s, its prefill steps' wall times, the Triton
+compiles inside it (kernel, seconds on the host, whether the disk cache had it), CUDA graphs captured, and the
+allocator's device allocations.
+
+    PYTHONPATH=$PWD python3 bench/probe_first_run.py --tokenizer .data/tok --out $OUT/first_run.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import profile_offline  # noqa: F401  (puts the checkout and bench/ on the path)
+from bench_decode import QWEN25_7B, StepClock, build_folder
+from profile_offline import offline
+
+
+class CompileLog:
+    """Every Triton kernel compile in the process (a miss of the in-memory cache): name, host seconds."""
+
+    def __init__(self):
+        from triton.runtime.jit import JITFunction
+
+        self.events: list[dict] = []
+        real = JITFunction._do_compile
+
+        def logged(fn, key, signature, device, constexprs, options, attrs, warmup):
+            t = time.perf_counter()
+            out = real(fn, key, signature, device, constexprs, options, attrs, warmup)
+            self.events.append({"t": t, "kernel": fn.fn.__name__, "s": round(time.perf_counter() - t, 4),
+                                "key": str(key)[:300]})
+            return out
+
+        JITFunction._do_compile = logged
+
+    def since(self, t0: float) -> list[dict]:
+        return [dict(e, t=round(e["t"] - t0, 3)) for e in self.events if e["t"] >= t0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokenizer", type=Path, default=Path(".data/tok"))
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--runs", type=int, default=3)
+    a = ap.parse_args()
+    from dark import OnlineLLM
+
+    compiles = CompileLog()
+    dev = torch.device("cuda")
+    tmp = Path(tempfile.mkdtemp(prefix="dark-first-", dir="/dev/shm"))
+    build_folder(QWEN25_7B, a.tokenizer.resolve(), tmp / "model", dev)
+    llm = OnlineLLM(str(tmp / "model"), data_dir=tmp / "data", device="cuda", dtype="bfloat16",
+                    num_kv_blocks=(a.requests * 2 * 1024) // 16 + 1024, max_num_seqs=a.requests,
+                    max_num_batched_tokens=8192, max_adapter_slots=34, max_lora_rank=16)
+    clock = StepClock(llm.engine.runner)
+    runner = llm.engine.runner
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
+              "load_compiles": len(compiles.events), "runs": []}
+    try:
+        for i in range(a.runs):
+            graphs = len(runner._graphs)
+            allocs = torch.cuda.memory_stats(dev).get("num_device_alloc", 0)
+            t0 = time.perf_counter()
+            r = offline(llm, clock, a.requests, salt=10_000 * i)
+            steps = [(round(1000 * (e - s), 1), tok, q) for (s, e, tok), q in zip(clock.steps, clock.seqs)]
+            r.pop("buckets", None)
+            r.update({"compiles_incl_warmup": compiles.since(t0),
+                      "measured_from_s": round(clock.steps[0][0] - t0, 3),
+                      "graphs_captured": len(runner._graphs) - graphs,
+                      "device_allocs": torch.cuda.memory_stats(dev).get("num_device_alloc", 0) - allocs,
+                      "prefill_steps_ms": [(ms, tok, q) for ms, tok, q in steps if tok != q],
+                      "slowest_decode_steps_ms": sorted((x for x in steps if x[1] == x[2]), reverse=True)[:12]})
+            report["runs"].append(r)
+            print(json.dumps({k: r[k] for k in ("tok_s", "graphs_captured", "device_allocs")}),
+                  "compiles", [(e["kernel"], e["s"], e["t"]) for e in r["compiles_incl_warmup"]],
+                  "prefill", r["prefill_steps_ms"], flush=True)
+    finally:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(report, indent=1))
+        llm.close() if hasattr(llm, "close") else None
+
+
+if __name__ == "__main__":
+    main()
