@@ -201,13 +201,13 @@ def adapter_variants(llm, clock: StepClock) -> list[dict]:
     return out
 
 
-def offline(llm, clock: StepClock, n: int, salt: int = 0) -> dict:
+def offline(llm, clock: StepClock, n: int, salt: int = 0, seed: int = 0) -> dict:
     """salt: another run's prompts of the same lengths (a run after one with salt 0 finds none of its prefixes in
-    the cache)."""
+    the cache); seed: other lengths (0: run_all's)."""
     from dark.engine.runner import GRAPH_BUCKETS
 
     runner = llm.engine.runner
-    rng = random.Random(0)
+    rng = random.Random(seed)
     reqs = [(prompts_ids(1, rng.randint(100, 1024), 1000 + i + salt)[0], rng.randint(100, 1024), None)
             for i in range(n)]
     run_requests(llm, warm_requests(n, 5000))

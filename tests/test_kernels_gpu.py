@@ -686,6 +686,44 @@ def test_paged_prefill_step_sends_its_decode_rows_to_the_decode_kernel(seqs):
     assert rel_err(out, flash.cpu()) < BF16_TOL
 
 
+def test_mixed_step_decode_rows_compile_nothing_the_decode_graphs_did_not(monkeypatch):
+    """The decode rows of a step that also holds prompt chunks go to paged_decode in the variant a decode graph of
+    their bucket compiled (its context ranges, its pipelining, dependent launch on): after one call launched as a
+    decode graph launches it, the mixed step compiles no attention kernel (each compile took ~0.5 s in the middle
+    of serving on the H200). Unusual head counts, so no other test compiled this variant first."""
+    from triton.runtime.jit import JITFunction
+
+    from dark.engine.runner import GRAPH_BUCKETS
+    from dark.models.decoder import kernel_module
+    from test_attention import paged_step_case
+
+    heads, kvh, dim, bs = 12, 2, 64, 16
+    seqs = ((300, 1), (0, 517), (37, 1), (0, 1), (1000, 64), (90, 1), (5, 1))
+    bucket = next(b for b in GRAPH_BUCKETS if b >= sum(1 for _, n in seqs if n == 1))
+    kc = torch.randn(64, bs, kvh, dim, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    tables = torch.arange(bucket * 4, device="cuda", dtype=torch.int32).view(bucket, 4) % 64
+    tables = torch.cat([tables, torch.zeros(bucket, 60, device="cuda", dtype=torch.int32)], 1)  # 16-aligned rows
+    ctx = torch.full((bucket,), 50, device="cuda", dtype=torch.int64)
+    q = torch.randn(bucket, heads, dim, device="cuda", dtype=torch.bfloat16)
+    with kernel_module().dependent_launch():  # as a decode graph's warm-up and capture call it
+        kernel_module("paged_attention").paged_decode(q, kc, vc, tables, ctx, dim ** -0.5)
+    compiled = []
+    real = JITFunction._do_compile
+
+    def logged(fn, *args, **kw):
+        compiled.append(fn.fn.__name__)
+        return real(fn, *args, **kw)
+
+    monkeypatch.setattr(JITFunction, "_do_compile", logged)
+    attn, out, ref = paged_step_case("cuda", torch.bfloat16, heads=heads, kvh=kvh, dim=dim, bs=bs, seqs=seqs,
+                                     decode_kernel=True)
+    torch.cuda.synchronize()
+    assert attn.decode is not None and attn.decode[3] > 1  # context ranges: the merge kernel runs too
+    assert not {"_paged_decode_kernel", "_merge_kernel"} & set(compiled), compiled
+    assert rel_err(out.cpu(), ref) < BF16_TOL
+
+
 def test_qkv_delta_in_the_rotary_under_dependent_launch():
     """A batch of one with an adapter, Qwen2.5-7B shapes: the norm writes q/k/v's codes, their GEMV runs as the
     base model's and qkv_rotary_store adds the delta, reading the codes before its own wait (the norm is two

@@ -186,8 +186,11 @@ class PagedAttention:
 
             rows, tables, ctx, splits, stages = self.decode
             out = torch.empty_like(q)
-            out[rows] = kernel_module("paged_attention").paged_decode(
-                q[rows].contiguous(), kc, vc, tables, ctx, dim ** -0.5, splits=splits, num_stages=stages)
+            # under dependent launch, as the decode graphs launch it: the variant they compiled (PDL is one of the
+            # kernel's compile-time switches; without it the first mixed steps of a process compiled ~0.7 s each)
+            with kernel_module().dependent_launch():
+                out[rows] = kernel_module("paged_attention").paged_decode(
+                    q[rows].contiguous(), kc, vc, tables, ctx, dim ** -0.5, splits=splits, num_stages=stages)
             out[self.prefill_rows] = self._flash(kc, vc, q[self.prefill_rows])  # a split step has chunks too
             return out
         if len(self.padded) == 1:
