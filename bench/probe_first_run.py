@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
+import shutil
 import time
 from pathlib import Path
 
 import torch
 
-import profile_offline  # noqa: F401  (puts the checkout and bench/ on the path)
-from bench_decode import QWEN25_7B, StepClock, build_folder
-from profile_offline import offline
+from profile_offline import offline, offline_engine  # (its import puts the checkout on the path)
 
 
 class CompileLog:
@@ -75,17 +73,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--requests", type=int, default=256)
     a = ap.parse_args()
-    from dark import OnlineLLM
-
     compiles = CompileLog()
     gcs = GcLog()
     dev = torch.device("cuda")
-    tmp = Path(tempfile.mkdtemp(prefix="dark-first-", dir="/dev/shm"))
-    build_folder(QWEN25_7B, a.tokenizer.resolve(), tmp / "model", dev)
-    llm = OnlineLLM(str(tmp / "model"), data_dir=tmp / "data", device="cuda", dtype="bfloat16",
-                    num_kv_blocks=(a.requests * 2 * 1024) // 16 + 1024, max_num_seqs=a.requests,
-                    max_num_batched_tokens=8192, max_adapter_slots=34, max_lora_rank=16)
-    clock = StepClock(llm.engine.runner)
+    llm, clock, tmp = offline_engine(a.tokenizer, a.requests, "dark-first-")
     runner = llm.engine.runner
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
               "load_compiles": len(compiles.events), "runs": []}
@@ -112,7 +103,8 @@ def main() -> None:
     finally:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(report, indent=1))
-        llm.close() if hasattr(llm, "close") else None
+        llm.close()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -281,6 +281,19 @@ def offline_trace(llm, clock: StepClock, n: int, seconds: float, trace: Path | N
     return r
 
 
+def offline_engine(tokenizer: Path, requests: int, prefix: str, adapter_slots: int = 34):
+    """(OnlineLLM, StepClock, its folder): the engine as run_all's offline part sets it up (Qwen2.5-7B shapes, random bf16
+    weights in a fresh folder under /dev/shm), KV blocks for `requests` sequences of up to 2k tokens."""
+    from dark import OnlineLLM
+
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir="/dev/shm"))
+    build_folder(QWEN25_7B, tokenizer.resolve(), tmp / "model", torch.device("cuda"))
+    llm = OnlineLLM(str(tmp / "model"), data_dir=tmp / "data", device="cuda", dtype="bfloat16",
+                    num_kv_blocks=(requests * 2 * 1024) // 16 + 1024, max_num_seqs=requests,
+                    max_num_batched_tokens=8192, max_adapter_slots=adapter_slots, max_lora_rank=16)
+    return llm, StepClock(llm.engine.runner), tmp
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokenizer", type=Path, default=Path(".data/tok"))
@@ -290,8 +303,6 @@ def main() -> None:
     ap.add_argument("--trace-seconds", type=float, default=4.0)
     ap.add_argument("--trace", type=Path)
     a = ap.parse_args()
-    from dark import OnlineLLM
-
     dev = torch.device("cuda")
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__}
@@ -302,12 +313,7 @@ def main() -> None:
             report["attention_graph"] = attention_graph(dev)
         if not {"steady", "offline", "offline_split_ab", "offline_trace", "prefill", "adapter"} & set(a.parts):
             return
-        tmp = Path(tempfile.mkdtemp(prefix="dark-offline-", dir="/dev/shm"))
-        build_folder(QWEN25_7B, a.tokenizer.resolve(), tmp / "model", dev)
-        llm = OnlineLLM(str(tmp / "model"), data_dir=tmp / "data", device="cuda", dtype="bfloat16",
-                        num_kv_blocks=(a.requests * 2 * 1024) // 16 + 1024, max_num_seqs=a.requests,
-                        max_num_batched_tokens=8192, max_adapter_slots=34, max_lora_rank=16)
-        clock = StepClock(llm.engine.runner)
+        llm, clock, tmp = offline_engine(a.tokenizer, a.requests, "dark-offline-")
         try:
             if "offline" in a.parts:
                 report["offline"] = offline(llm, clock, a.requests)

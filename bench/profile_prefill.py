@@ -16,7 +16,6 @@ import json
 import random
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_decode import QWEN25_7B, StepClock, build_folder, profile_ours, prompts_ids  # noqa: E402
+from bench_decode import profile_ours, prompts_ids  # noqa: E402
 from run_all import run_requests, warm_requests  # noqa: E402
 
 
@@ -56,15 +55,11 @@ def main() -> None:
     ap.add_argument("--forms", nargs="+", default=["varlen", "padded"])
     a = ap.parse_args()
     import dark.engine.attention as attention
-    from dark import OnlineLLM
+
+    from profile_offline import offline_engine
 
     dev = torch.device("cuda")
-    tmp = Path(tempfile.mkdtemp(prefix="dark-prefill-", dir="/dev/shm"))
-    build_folder(QWEN25_7B, a.tokenizer.resolve(), tmp / "model", dev)
-    llm = OnlineLLM(str(tmp / "model"), data_dir=tmp / "data", device="cuda", dtype="bfloat16",
-                    num_kv_blocks=(a.requests * 2 * 1024) // 16 + 1024, max_num_seqs=a.requests,
-                    max_num_batched_tokens=8192, max_adapter_slots=4, max_lora_rank=16)
-    clock = StepClock(llm.engine.runner)
+    llm, clock, tmp = offline_engine(a.tokenizer, a.requests, "dark-prefill-", adapter_slots=4)
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "forms": {}}
     try:
