@@ -274,6 +274,12 @@ def default_splits(batch: int, kv_heads: int, num_sms: int = 132) -> int:
     return 1 << (n.bit_length() - 1)
 
 
+def default_stages(batch: int) -> int | None:
+    """paged_decode's pipelining for a batch of `batch` sequences (see its num_stages): 3 tiles in flight from 16
+    sequences up, else one at a time."""
+    return 3 if batch >= 16 else None
+
+
 def store_kv(k, v, k_cache, v_cache, slot_mapping):
     """k, v [T, KVH, D] into caches [blocks, block_size, KVH, D] at flat slots slot_mapping [T] (-1: skip)."""
     T = k.shape[0]
@@ -340,7 +346,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, ctx_lens, scale, splits: int
     G = H // kvh
     splits = splits or default_splits(B, kvh)
     if num_stages == -1:
-        num_stages = 3 if B >= 16 else None
+        num_stages = default_stages(B)
     out = torch.empty_like(q)
     # one range per sequence: the kernel writes the output (no partial results, no merge)
     parts = B * H * splits if splits > 1 else 1

@@ -1139,7 +1139,6 @@ def test_adapter_kernel_tilings_agree(monkeypatch):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
-
 @pytest.mark.parametrize("seqs", [((9, 1), (0, 7), (5, 6), (2, 1), (0, 1)), ((9, 1), (2, 1), (30, 1), (0, 7), (5, 6))])
 def test_mixed_step_sends_decode_rows_to_the_kernel(monkeypatch, seqs):
     """PagedAttention's split of a step mixing prefill chunks with single-token rows (the runner's path on CUDA):

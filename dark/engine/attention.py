@@ -62,11 +62,10 @@ class PagedAttention:
         self.cache = cache
         self.slot_mapping = slot_mapping
         bs = cache.block_size
-        self.max_q = max(q_lens)
         self.varlen = varlen_applies(cache.data)
         self.decode = None  # (token rows, block tables, context lengths, ranges, stages): the rows paged_decode attends
         # a step mixing single-token rows with prefill chunks attends the two apart (SPLIT_DECODE_ROWS)
-        single = [i for i, n in enumerate(q_lens) if n == 1] if SPLIT_DECODE_ROWS and self.max_q > 1 else []
+        single = [i for i, n in enumerate(q_lens) if n == 1] if SPLIT_DECODE_ROWS and max(q_lens) > 1 else []
         rest = [i for i, n in enumerate(q_lens) if n != 1] if single else list(range(len(q_lens)))
         if self.varlen:
             self.block_tables = self._tables(block_tables, device)
@@ -153,9 +152,9 @@ class PagedAttention:
         from .runner import GRAPH_BUCKETS
 
         bucket = next((b for b in GRAPH_BUCKETS if b >= len(dec)), len(dec))
-        splits = kernel_module("paged_attention").default_splits(bucket, self.cache.data.shape[-2])
-        self.decode = (rows, tables, torch.tensor([ctx_lens[i] for i in dec], device=device), splits,
-                       3 if bucket >= 16 else None)
+        kernels = kernel_module("paged_attention")
+        self.decode = (rows, tables, torch.tensor([ctx_lens[i] for i in dec], device=device),
+                       kernels.default_splits(bucket, self.cache.data.shape[-2]), kernels.default_stages(bucket))
 
     @staticmethod
     def _token_rows(q_lens: list[int], seqs: list[int], device):
