@@ -61,7 +61,11 @@ class AdapterManager:
             self._stored = {k for k in self._stored if k[0] != name}
             del self._current[name]
             for key in [k for k in self._slot_of if k[0] == name and self._refs[self._slot_of[k]] == 0]:
-                self._free.append(self._slot_of.pop(key))
+                slot = self._slot_of.pop(key)
+                self._free.append(slot)
+                # the kernels read the largest loaded rank (AdapterSlots.kernel_rank): a slot left empty counts
+                # for nothing, or a removed rank-64 adapter would keep every later step reading 64 rows
+                self.slots.rank[slot] = 0
 
     def resolve(self, name: str, version: int | None = None) -> AdapterKey:
         with self._lock:
