@@ -35,6 +35,9 @@ class EngineConfig:
     warm_learning: bool | None = None  # at start, one throwaway training step on the learn thread (nothing saved or
                                      # served), so the first correction does not pay the process's one-time setup
                                      # of training (2-3 s on an H200 at 7B); None: on CUDA only
+    warm_serving: bool | None = None  # at start, a few throwaway requests (1-8 at once, with and without an adapter)
+                                     # so that the first requests do not compile kernels or capture decode graphs
+                                     # (dark.engine.warm); None: on CUDA only
 
     def validate(self) -> "EngineConfig":
         _check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
@@ -48,6 +51,7 @@ class EngineConfig:
         _check(isinstance(self.train_sms, int) and self.train_sms >= -1,
                "train_sms must be an integer >= -1 (-1: half the SMs while serving, 0: all)")
         _check(self.warm_learning in (None, True, False), "warm_learning must be true, false or null (on CUDA only)")
+        _check(self.warm_serving in (None, True, False), "warm_serving must be true, false or null (on CUDA only)")
         _check(self.dtype in ("", "bfloat16", "float16", "float32"), f"dtype {self.dtype!r} is not one of bfloat16, float16, float32")
         return self
 

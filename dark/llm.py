@@ -18,6 +18,7 @@ import torch
 from .config import EngineConfig, LearnConfig, LoraConfig, settings_from_kwargs
 from .engine.engine import Engine
 from .engine.sequence import RequestOutput, SamplingParams
+from .engine.warm import warm_serving
 from .errors import InvalidRequestError, UnknownAdapterError
 from .learn.jobs import Learner, LearnJob
 from .lora.weights import AdapterWeights
@@ -28,6 +29,9 @@ from .store.db import Store
 log = logging.getLogger(__name__)
 
 SWITCH_INTERVAL_S = 0.0005  # the longest a thread holding the GIL keeps it from one that waits (sys.setswitchinterval)
+
+# the serving warm-up's prompt: a chat turn of ~50 tokens with the template (several KV blocks, a few chunks' worth)
+WARM_PROMPT = "Warming up: name three colours, count from one to ten in words, and say which city is France's capital."
 
 Prompt = "str | list[dict]"  # a plain prompt (sent as one user turn) or a list of chat messages
 
@@ -83,6 +87,9 @@ class OnlineLLM:
         self.learner = Learner(self, self.store, self.data_dir / "adapters", learn_config)
         self.engine.adapters.loader = self._load_version
         self._restore_adapters()
+        self.warm_serving_seconds: float | None = None
+        if config.warm_serving if config.warm_serving is not None else device.type == "cuda":
+            self._warm_serving()
         self.learner.start()
         resumed = self.learner.resume()
         if resumed:
@@ -96,6 +103,18 @@ class OnlineLLM:
         # the device and needs it back to start the next step. CPython hands it back only after the switch
         # interval (5 ms by default, a whole decode step): at 0.5 ms the wait is bounded by a tenth of a step
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+
+    def _warm_serving(self) -> None:
+        """Throwaway requests before the model serves (EngineConfig.warm_serving, dark.engine.warm); a failure is
+        logged, and the first requests then pay what it would have."""
+        try:
+            got = warm_serving(self.engine, self.encode(WARM_PROMPT))
+        except Exception:
+            log.exception("the serving warm-up failed; the first requests compile and capture what they need instead")
+            return
+        self.warm_serving_seconds = round(got["seconds"], 3)
+        log.info("serving warmed up in %.2f s (%d throwaway requests, %d decode graphs captured)",
+                 got["seconds"], got["requests"], got["graphs"])
 
     def _load_version(self, name: str, version: int) -> AdapterWeights:
         """A version's factors from its folder (the adapter manager's loader for versions it evicted)."""

@@ -12,6 +12,9 @@ if [ -d /workspace ] && [ -w /workspace ]; then
 fi
 export DARK_HOME="${DARK_HOME:-$HOME/.cache/dark}"
 mkdir -p "$DARK_HOME"
+# Triton's compiled kernels on the volume too: a restarted server loads them instead of compiling them again
+# (~0.3-0.5 s a kernel, a few dozen at start: dark.engine.warm)
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$DARK_HOME/triton-cache}"
 export DARK_HOST="${DARK_HOST:-0.0.0.0}"
 export DARK_PORT="${DARK_PORT:-8000}"
 

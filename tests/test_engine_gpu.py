@@ -234,3 +234,46 @@ def test_decoding_in_a_partition_while_learning_gives_the_same_tokens(tiny_model
         engine.serve_in_partition(None)
         assert llm.generate(PROMPTS[:3], max_tokens=12) == first
         assert engine.runner._replay_stream == engine.stream
+
+
+def test_after_the_serving_warm_up_the_first_requests_compile_and_capture_nothing(tiny_models, tmp_path, monkeypatch):
+    """The warm-up (on by default on CUDA: dark.engine.warm) compiled every kernel variant and captured every decode
+    graph that a first request alone, four at once, one joining another as it decodes, and a first request on an
+    adapter of the default LoRA shape need: none of them compiles a Triton kernel or captures a graph (on an H200
+    at 7B with an empty Triton cache they waited 2.5 s and 8.3 s without it). bf16, the 7B's head layout."""
+    from triton.runtime.jit import JITFunction
+
+    from dark.config import LoraConfig
+    from dark.lora.weights import AdapterWeights
+
+    compiled = []
+    real = JITFunction._do_compile
+
+    def logged(fn, *args, **kw):
+        compiled.append(fn.fn.__name__)
+        return real(fn, *args, **kw)
+
+    monkeypatch.setattr(JITFunction, "_do_compile", logged)
+    with OnlineLLM(str(tiny_models["qwen2"]), data_dir=tmp_path, device=CUDA, dtype="bfloat16", max_num_seqs=8) as llm:
+        assert llm.warm_serving_seconds > 0 and compiled  # the warm-up compiled what the requests below use
+        runner = llm.engine.runner
+        graphs, before = set(runner._graphs), len(compiled)
+        assert {(1, False, True), (4, False, True), (1, True, True)} <= {k[:3] for k in graphs}
+        mc = llm.model.config
+        weights = AdapterWeights.init(LoraConfig().validate(), mc.projection_shapes(), mc.num_layers, seed=3)
+        for _, (a, b) in weights.tensors.items():
+            b.normal_(0, 0.05)
+        llm.engine.adapters.publish("skill", 1, weights)
+        llm.generate(PROMPTS[0], max_tokens=12)
+        llm.generate(PROMPTS[:4], max_tokens=12)
+        done, outs = threading.Event(), []
+        first = threading.Event()
+        llm.submit(PROMPTS[1], lambda o: (first.set(), o.finished and (outs.append(o) or done.set())), max_tokens=30,
+                   ignore_eos=True)
+        assert first.wait(60)
+        joined = llm.generate(PROMPTS[2], max_tokens=6)
+        assert done.wait(60) and isinstance(joined, str)
+        with_adapter = llm.complete(PROMPTS[0], adapter="skill", max_tokens=12, ignore_eos=True)
+        assert with_adapter.adapter == ("skill", 1)
+        assert compiled[before:] == [], f"compiled after the warm-up: {compiled[before:]}"
+        assert set(runner._graphs) == graphs, f"captured after the warm-up: {set(runner._graphs) - graphs}"

@@ -1,0 +1,127 @@
+"""What the first requests after a server starts pay that later ones do not: Triton compiles and CUDA graph captures.
+
+Loads a Qwen2.5-7B-shaped model of random bf16 weights with the engine's default settings (what `python
+websocket_server.py` gets on a GPU), then runs, one after the other: a request alone, another like it, four at once,
+the first request on a published adapter, another on it, and one on the adapter's next version published by a real
+correction. For each: time to the first token, the decode rate after it, and the Triton compiles (`JITFunction.
+_do_compile`: kernel, host seconds) and CUDA graphs captured while it ran. Run it in a fresh process with an empty
+Triton cache (`TRITON_CACHE_DIR`: a fresh machine or container) and again with the cache the first run filled (a
+restart on the same machine).
+
+    PYTHONPATH=$PWD python3 bench/probe_first_request.py --tokenizer .data/tok --out $OUT/first_request.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import QWEN25_7B, build_folder, prompts_ids, random_adapter  # noqa: E402
+from probe_first_run import CompileLog  # noqa: E402
+
+
+def timed_requests(llm, prompts: list[list[int]], new_tokens: int, adapter=None) -> dict:
+    """Submit the prompts at once; per request: ms to its first token, ms a token after it, wall ms."""
+    from dark.engine.sequence import SamplingParams
+
+    firsts, ends, counts = {}, {}, {}
+    done = threading.Event()
+    lock = threading.Lock()
+
+    def on_output(out):
+        now = time.perf_counter()
+        with lock:
+            if out.token_ids and out.request_id not in firsts:
+                firsts[out.request_id] = now
+            if out.finished:
+                ends[out.request_id] = now
+                counts[out.request_id] = out.completion_tokens
+                if out.error is not None:
+                    print("request failed:", out.error, flush=True)
+                if len(ends) == len(prompts):
+                    done.set()
+
+    t0 = time.perf_counter()
+    for ids in prompts:
+        llm.engine.add_request(ids, SamplingParams(max_tokens=new_tokens, ignore_eos=True), adapter, on_output)
+    done.wait(600)
+    ttft = [1000 * (firsts[r] - t0) for r in firsts]
+    per_token = [1000 * (ends[r] - firsts[r]) / max(1, counts[r] - 1) for r in firsts]
+    return {"requests": len(prompts), "ttft_ms": round(max(ttft), 1), "ms_per_token": round(statistics.fmean(per_token), 3),
+            "wall_ms": round(1000 * (max(ends.values()) - t0), 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokenizer", type=Path, default=Path(".data/tok"))
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--label", default="")
+    ap.add_argument("--settings", default="{}", help="JSON of extra OnlineLLM settings (e.g. '{\"warm_serving\": false}')")
+    a = ap.parse_args()
+    compiles = CompileLog()
+    from dark import OnlineLLM
+
+    tmp = Path(tempfile.mkdtemp(prefix="dark-first-req-", dir="/dev/shm"))
+    build_folder(QWEN25_7B, a.tokenizer.resolve(), tmp / "model", torch.device("cuda"))
+    torch.cuda.empty_cache()
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
+              "label": a.label, "settings": json.loads(a.settings), "steps": []}
+    t = time.perf_counter()
+    n0 = len(compiles.events)
+    llm = OnlineLLM(str(tmp / "model"), data_dir=tmp / "data", device="cuda", **json.loads(a.settings))
+    report["load"] = {"s": round(time.perf_counter() - t, 2), "compiles": len(compiles.events) - n0,
+                      "compile_s": round(sum(e["s"] for e in compiles.events[n0:]), 2),
+                      "graphs": len(llm.engine.runner._graphs), "warm_serving_s": llm.warm_serving_seconds,
+                      "warm_learning_s": llm.learner.warm_up_seconds}
+    print("load", json.dumps(report["load"]), flush=True)
+    runner = llm.engine.runner
+    seed = iter(range(1000))
+
+    def step(name, fn):
+        n, g = len(compiles.events), len(runner._graphs)
+        fig = fn()
+        got = compiles.events[n:]
+        fig.update({"name": name, "compiles": len(got), "compile_s": round(sum(e["s"] for e in got), 2),
+                    "kernels": sorted({e["kernel"] for e in got}), "graphs_captured": len(runner._graphs) - g})
+        report["steps"].append(fig)
+        print(json.dumps(fig), flush=True)
+
+    def alone(adapter=None):
+        return lambda: timed_requests(llm, prompts_ids(1, a.prompt_len, next(seed)), a.new_tokens, adapter)
+
+    try:
+        step("the first request", alone())
+        step("a second one", alone())
+        step("four at once", lambda: timed_requests(llm, prompts_ids(4, a.prompt_len, next(seed)), a.new_tokens))
+        step("four at once again", lambda: timed_requests(llm, prompts_ids(4, a.prompt_len, next(seed)), a.new_tokens))
+        llm.engine.adapters.publish("skill", 1, random_adapter(llm, 16, seed=1))
+        step("the first request on an adapter", alone(("skill", 1)))
+        step("a second one on it", alone(("skill", 1)))
+        t0 = time.perf_counter()
+        rep = llm.submit_learn([{"prompt": "A greeting in Zoggian", "response": "zog"}], adapter="zog",
+                               max_steps=1, min_steps=1).wait(300)
+        report["correction_s"] = round(time.perf_counter() - t0, 3)
+        version = rep.get("version")
+        print("correction", report["correction_s"], "s; version", version, flush=True)
+        if version is not None:
+            step("the first request on a corrected skill", alone(("zog", version)))
+    finally:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(report, indent=1))
+        llm.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
