@@ -60,6 +60,32 @@ def timed_requests(llm, prompts: list[list[int]], new_tokens: int, adapter=None)
             "wall_ms": round(1000 * (max(ends.values()) - t0), 1)}
 
 
+def slot_load(llm, key) -> dict:
+    """What loading a published version into a slot costs, in phases: the version from the registry, its factors
+    packed on the host (one buffer per dtype), that buffer's copy to the device, then the whole of acquire()
+    (which does all of it again, plus the copies into the slot)."""
+    mgr = llm.engine.adapters
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    w = mgr._get(*key)
+    t1 = time.perf_counter()
+    host = [t.reshape(-1) for k in mgr.slots.A if k in w.tensors for t in w.tensors[k]]
+    flats = [torch.cat([t for t in host if t.dtype == d]) for d in {t.dtype for t in host}]
+    t2 = time.perf_counter()
+    for f in flats:
+        f.to("cuda")
+    torch.cuda.synchronize()
+    t3 = time.perf_counter()
+    slot = mgr.acquire(key)
+    torch.cuda.synchronize()
+    t4 = time.perf_counter()
+    mgr.release(slot)
+    return {"get_ms": round(1000 * (t1 - t0), 2), "pack_ms": round(1000 * (t2 - t1), 2),
+            "h2d_ms": round(1000 * (t3 - t2), 2), "acquire_ms": round(1000 * (t4 - t3), 2),
+            "mb": round(sum(f.numel() * f.element_size() for f in flats) / 2**20, 1),
+            "dtypes": sorted(str(t.dtype) for t in flats), "pinned": bool(host[0].is_pinned())}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokenizer", type=Path, default=Path(".data/tok"))
@@ -116,6 +142,18 @@ def main() -> None:
         print("correction", report["correction_s"], "s; version", version, flush=True)
         if version is not None:
             step("the first request on a corrected skill", alone(("zog", version)))
+            mgr = llm.engine.adapters
+            weights = mgr._get("zog", version)
+            # the same version under other names: one served after 2 s idle (no learn job's tail running), one
+            # loaded (and timed) before its first request
+            mgr.publish("zog-idle", 1, weights)
+            time.sleep(2)
+            step("the first request on a new version, 2 s after it was published", alone(("zog-idle", 1)))
+            mgr.publish("zog-loaded", 1, weights)
+            time.sleep(1)
+            report["slot_load"] = slot_load(llm, ("zog-loaded", 1))
+            print("slot load", json.dumps(report["slot_load"]), flush=True)
+            step("the first request on a new version already in a slot", alone(("zog-loaded", 1)))
     finally:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(report, indent=1))

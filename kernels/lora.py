@@ -80,6 +80,15 @@ def lora_reference(x, y, A, B, token_slots, rank: int, splits=None, stride: int 
     return out.to(y.dtype)
 
 
+def segment_rows(tokens: int, max_slots: int | None = None) -> int:
+    """Rows of a step's block table (lora_segments) for `tokens` tokens over at most max_slots adapters: the kernels'
+    launch shapes (their programs, chunk and tile counts, some of them compile-time constants) follow from it."""
+    if tokens <= 1:
+        return 1
+    nseg = tokens if max_slots is None else min(tokens, max_slots)
+    return max(1, min(tokens, (tokens + (BLOCK_T - 1) * nseg) // BLOCK_T))
+
+
 def lora_segments(token_slots, max_slots: int | None = None):
     """The step's block table, once per forward, shared by every projection's kernels: int32 [G, 1 + BLOCK_T],
     row g = (slot, its tokens in sorted order padded with -1); rows past the last block have slot -1.
@@ -91,8 +100,7 @@ def lora_segments(token_slots, max_slots: int | None = None):
     T = token_slots.numel()
     if T <= 1:
         return token_slots.view(-1)
-    nseg = T if max_slots is None else min(T, max_slots)
-    G = max(1, min(T, (T + (BLOCK_T - 1) * nseg) // BLOCK_T))
+    G = segment_rows(T, max_slots)
     sorted_slots, order = torch.sort(token_slots.view(-1))
     pos = torch.arange(T, device=token_slots.device)
     start = torch.searchsorted(sorted_slots, sorted_slots)  # first position of each one's segment

@@ -244,6 +244,7 @@ def test_after_the_serving_warm_up_the_first_requests_compile_and_capture_nothin
     from triton.runtime.jit import JITFunction
 
     from dark.config import LoraConfig
+    from dark.engine.sequence import SamplingParams
     from dark.lora.weights import AdapterWeights
 
     compiled = []
@@ -275,5 +276,14 @@ def test_after_the_serving_warm_up_the_first_requests_compile_and_capture_nothin
         assert done.wait(60) and isinstance(joined, str)
         with_adapter = llm.complete(PROMPTS[0], adapter="skill", max_tokens=12, ignore_eos=True)
         assert with_adapter.adapter == ("skill", 1)
+        # prompts of other lengths than the warm-up's own, alone and on the adapter (each a step of its own length;
+        # a 256-token prompt on an adapter compiled a kernel variant at 7B that the 55-token one had not)
+        ids = llm.encode(" ".join(PROMPTS) * 40)
+        for n in (9, 37, 101, 170, 256, 300, 480):
+            for adapter in (None, ("skill", 1)):
+                done, outs = threading.Event(), []
+                llm.engine.add_request(ids[n:2 * n], SamplingParams(max_tokens=2, ignore_eos=True), adapter,
+                                       lambda o: o.finished and (outs.append(o) or done.set()))
+                assert done.wait(60) and outs[0].error is None
         assert compiled[before:] == [], f"compiled after the warm-up: {compiled[before:]}"
         assert set(runner._graphs) == graphs, f"captured after the warm-up: {set(runner._graphs) - graphs}"

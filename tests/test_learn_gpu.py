@@ -318,3 +318,30 @@ def test_a_job_with_a_kv_loan_projects_through_a_cuda_graph(tiny_models, tmp_pat
             den = sum(float((v - s).square().sum()) for k in start.tensors
                       for v, s in zip(out["0"].weights.tensors[k], start.tensors[k]))
             assert (num / den) ** 0.5 < 1e-3, (graph, num, den)
+
+
+def test_a_learned_version_goes_into_its_slot_from_the_device_copy_it_trained(tiny_models, tmp_path):
+    """A learn job on CUDA leaves its new version's factors on the device in the slots' layout (AdapterSlots.stage);
+    the version's first request loads them from there (no host copy), to the same bits a load from the host copy
+    gives, and answers as the version loaded from its saved folder does."""
+    with OnlineLLM(str(tiny_models["qwen2"]), data_dir=tmp_path, device=DEVICE, dtype="bfloat16",
+                   max_adapter_slots=3) as llm:
+        llm.learn([{"prompt": "A greeting in Zoggian", "response": "zog"}], adapter="zog", max_steps=3)
+        mgr = llm.engine.adapters
+        version = mgr.current("zog")
+        staged = mgr._staged[("zog", version)]
+        assert staged and all(a.device.type == "cuda" and a.dtype == torch.bfloat16 for a, _ in staged.values())
+        answer = llm.generate("A greeting in Zoggian", adapter="zog", max_tokens=6)
+        assert mgr._staged == {}  # the first request took them
+        slot = mgr._slot_of[("zog", version)]
+        other = next(s for s in range(3) if s != slot and mgr.slots.rank[s] == 0)
+        mgr.slots.load(other, mgr.weights("zog", version))  # from the host copy
+        torch.cuda.synchronize()
+        for key in mgr.slots.A:
+            assert torch.equal(mgr.slots.A[key][slot], mgr.slots.A[key][other]), key
+            assert torch.equal(mgr.slots.B[key][slot], mgr.slots.B[key][other]), key
+        mgr.slots.rank[other] = 0
+        path = tmp_path / "copy"
+        mgr.weights("zog", version).save(path)
+        assert llm.load_adapter("zog-copy", path) == 1
+        assert llm.generate("A greeting in Zoggian", adapter="zog-copy", max_tokens=6) == answer

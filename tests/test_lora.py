@@ -142,3 +142,66 @@ def test_old_versions_leave_host_memory_and_come_back(tiny_models, tmp_path):
         assert len(mgr.loaded_versions("skill")) <= 4
         llm.rollback("skill", 5)
         assert llm.complete(PROMPTS[0], adapter="skill", max_tokens=8, ignore_eos=True).token_ids == latest.token_ids
+
+
+def _random_weights(shapes, layers, r, targets, seed):
+    from dark.config import LoraConfig
+
+    weights = AdapterWeights.init(LoraConfig(r=r, alpha=2 * r, target_modules=targets).validate(), shapes, layers, seed)
+    gen = torch.Generator().manual_seed(seed)
+    for _, b in weights.tensors.values():
+        b.copy_(torch.randn(b.shape, generator=gen))
+    return weights
+
+
+def _slot_contents(slots, slot):
+    return {k: (slots.A[k][slot].clone(), slots.B[k][slot].clone()) for k in slots.A}
+
+
+def test_a_reused_slot_and_a_staged_load_hold_exactly_what_a_fresh_load_does(tiny_models, tmp_path):
+    """A slot that held a rank-16 adapter on every projection, then takes a rank-4 one on three, holds exactly what
+    an untouched slot loaded with the second holds (the first's rows and projections all zero), in bf16; and a
+    version staged from factors already on the device (a learn job's: AdapterSlots.stage) loads to the same bits as
+    one brought from the host, while the adapter manager hands a version's staged factors to its first load only."""
+    from dark.lora.manager import AdapterManager
+    from dark.lora.slots import AdapterSlots
+
+    with OnlineLLM(str(tiny_models["qwen2"]), data_dir=tmp_path / "d") as llm:
+        mc = llm.model.config
+    shapes, layers = mc.projection_shapes(), mc.num_layers
+    wide = _random_weights(shapes, layers, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                "down_proj", "lm_head"], seed=1)
+    narrow = _random_weights(shapes, layers, 4, ["q_proj", "down_proj", "lm_head"], seed=2)
+
+    def fresh(weights, slot, staged=False):
+        slots = AdapterSlots(mc, 3, 16, torch.device("cpu"), torch.bfloat16)
+        slots.load(slot, wide)  # projections allocated as in the reused one
+        slots.load(0 if slot else 1, weights, slots.stage(weights.tensors, weights.scaling) if staged else None)
+        return slots
+
+    reused = AdapterSlots(mc, 3, 16, torch.device("cpu"), torch.bfloat16)
+    reused.load(1, wide)
+    reused.load(1, narrow)
+    expected = _slot_contents(fresh(narrow, 1), 0)
+    got = _slot_contents(reused, 1)
+    assert got.keys() == expected.keys() and len(got) == 7 * layers + 1
+    for key in got:
+        assert torch.equal(got[key][0], expected[key][0]) and torch.equal(got[key][1], expected[key][1]), key
+    assert got[(0, "k_proj")][0].abs().sum() == 0 and got[(0, "q_proj")][0][4:].abs().sum() == 0
+    assert got[(0, "q_proj")][0][:4].abs().sum() > 0 and reused.rank[1] == 4
+    # staged from "device" factors (here the host's own) gives the same bits as the host path
+    staged = _slot_contents(fresh(narrow, 1, staged=True), 0)
+    for key in staged:
+        assert torch.equal(staged[key][0], expected[key][0]) and torch.equal(staged[key][1], expected[key][1]), key
+
+    mgr = AdapterManager(AdapterSlots(mc, 2, 16, torch.device("cpu"), torch.bfloat16))
+    mgr.publish("skill", 1, wide, staged=mgr.slots.stage(wide.tensors, wide.scaling))
+    mgr.publish("skill", 2, narrow, staged=mgr.slots.stage(narrow.tensors, narrow.scaling))
+    assert list(mgr._staged) == [("skill", 2)]  # an older version's staged factors go when a newer one comes
+    slot = mgr.acquire(("skill", 2))
+    assert mgr._staged == {} and mgr.slots.rank[slot] == 4
+    assert torch.equal(mgr.slots.A[(0, "q_proj")][slot], expected[(0, "q_proj")][0])
+    mgr.release(slot)
+    mgr.publish("other", 1, wide, staged=mgr.slots.stage(wide.tensors, wide.scaling))
+    mgr.remove("other")
+    assert mgr._staged == {}

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from dark import OnlineLLM
-from dark.engine.warm import WARM_ADAPTER
+from dark.engine.warm import WARM_ADAPTER, prefill_lengths
 from dark.errors import InvalidRequestError
 
 PROMPTS = ["Say hi", "Count to three", "Name a colour"]
@@ -30,9 +30,10 @@ def test_serving_warm_up_runs_requests_with_and_without_an_adapter_and_keeps_not
     with llm:
         assert llm.warm_serving_seconds > 0
         said = [r.getMessage() for r in caplog.records if "serving warmed up" in r.getMessage()]
-        # 1, 2, 4 and 8 at once, one sampled, and one joining another as it decodes: 18 requests, twice (the
-        # second time on the throwaway adapter)
-        assert len(said) == 1 and re.search(r"\(36 throwaway requests", said[0]), said
+        # 1, 2, 4 and 8 at once, one sampled, one joining another as it decodes (18 requests), and a prompt of each
+        # length in prefill_lengths, twice (the second time on the throwaway adapter)
+        lengths = prefill_lengths(llm.engine)
+        assert len(said) == 1 and re.search(rf"\({2 * (18 + len(lengths))} throwaway requests", said[0]), said
         state = _state(llm)
         assert state["adapters"] == [] and WARM_ADAPTER not in state["registry"] and state["registry"] == []
         assert state["slot_refs"] == [0] * llm.engine.config.max_adapter_slots
@@ -72,3 +73,19 @@ def test_a_failed_serving_warm_up_is_logged_and_the_model_still_serves(tiny_mode
 def test_warm_serving_setting_is_checked(tiny_models, tmp_path):
     with pytest.raises(InvalidRequestError, match="warm_serving"):
         OnlineLLM(str(tiny_models["qwen2"]), data_dir=tmp_path / "bad", warm_serving="yes")
+
+
+def test_the_warm_up_prefill_lengths_give_the_lora_kernels_every_launch_shape(tiny_models, tmp_path):
+    """One prompt length per row count of the LoRA kernels' block table over every step size the kernels take (their
+    grids and compile-time constants follow from it), each length shorter than the context limit."""
+    from dark.lora.slots import KERNEL_MAX_TOKENS
+    from kernels.lora import segment_rows
+
+    for slots, limit in ((8, 0), (3, 0), (32, 0), (8, 100)):
+        with OnlineLLM(str(tiny_models["qwen2"]), data_dir=tmp_path / f"{slots}-{limit}", max_adapter_slots=slots,
+                       max_model_len=limit, warm_serving=False) as llm:
+            lengths = prefill_lengths(llm.engine)
+            top = min(KERNEL_MAX_TOKENS, llm.engine.max_model_len - 2)
+            want = {segment_rows(n, slots) for n in range(2, top + 1)}
+            assert sorted({segment_rows(n, slots) for n in lengths}) == sorted(want)
+            assert len(lengths) == len(want) and max(lengths) < llm.engine.max_model_len - 1

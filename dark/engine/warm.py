@@ -6,8 +6,9 @@ Triton cache is empty: a fresh GPU machine or container). Measured on an H200 at
 without a warm-up: the first request after start waited 2.5 s for its first token, and the first request on an
 adapter 3.2 s, then decoded at 80 ms a token instead of 3.9 while the rest of its variants compiled (8.3 s for 64
 tokens). So before the server serves, a few throwaway requests go through the engine: each of the batch sizes a chat
-server meets most (1, 2, 4, 8 sequences), without and with an adapter, greedy and sampled, and a request arriving
-while another decodes (a step that mixes a prompt's chunk with decode rows). Nothing of them is kept: their
+server meets most (1, 2, 4, 8 sequences), without and with an adapter, greedy and sampled, a request arriving
+while another decodes (a step that mixes a prompt's chunk with decode rows), and prompts of the lengths that give the
+LoRA kernels each of their launch shapes (prefill_lengths). Nothing of them is kept: their
 sequences end, their blocks go back (the prefix cache may keep its entries, which any request may evict), and the
 throwaway adapter, when none is stored, leaves the adapter registry again.
 """
@@ -25,6 +26,28 @@ log = logging.getLogger(__name__)
 
 WARM_ADAPTER = "dark:warm-up"  # a name no user's adapter can have (dark.learn.jobs.ADAPTER_NAME has no ':')
 BATCHES = (1, 2, 4, 8)  # decode batch sizes warmed (each a graph bucket of dark.engine.runner)
+# prompts longer than the LoRA kernels' range (the dense path's GEMM shapes), on CUDA only
+LONG_PREFILLS = (512, 1024, 2048)
+
+
+def prefill_lengths(engine) -> list[int]:
+    """Prompt lengths whose prefills, alone in a step, launch every shape the LoRA kernels take up to
+    KERNEL_MAX_TOKENS: one for each row count of the kernels' block table (dark.kernels.lora.segment_rows), which
+    sets their grid and some compile-time constants (a prompt of 256 tokens on an adapter compiled a variant that one
+    of 55 had not: bench/RESULTS.md 2026-12-04). On CUDA, LONG_PREFILLS too. All shorter than the context limit."""
+    from ..lora.slots import KERNEL_MAX_TOKENS
+    from ..models.decoder import kernel_module
+
+    lora = kernel_module("lora")
+    seen, lengths = set(), []
+    for n in range(2, KERNEL_MAX_TOKENS + 1):
+        rows = lora.segment_rows(n, engine.config.max_adapter_slots)
+        if rows not in seen:
+            seen.add(rows)
+            lengths.append(n)
+    if engine.device.type == "cuda":
+        lengths += [n for n in LONG_PREFILLS if n > KERNEL_MAX_TOKENS]
+    return [n for n in lengths if n < engine.max_model_len - 1]
 
 
 def _run(engine, prompt_ids: list[int], n: int, adapter, params: SamplingParams, timeout: float,
@@ -79,6 +102,11 @@ def warm_serving(engine, prompt_ids: list[int], timeout: float = 300.0) -> dict:
     greedy = SamplingParams(max_tokens=3, ignore_eos=True)
     sampled = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.7)
     streaming = SamplingParams(max_tokens=24, ignore_eos=True)
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    lengths = prefill_lengths(engine)
+    # the prompts of those lengths: windows of the warm prompt repeated, each starting at its own token, so that no
+    # prompt's first block is another's (the prefix cache would serve it, and the step would be shorter)
+    tokens = list(prompt_ids) * (max(lengths, default=0) // max(1, len(prompt_ids)) + 2)
     requests = 0
     try:
         for adapter in (None, key):
@@ -90,6 +118,10 @@ def warm_serving(engine, prompt_ids: list[int], timeout: float = 300.0) -> dict:
                 _run(engine, prompt_ids, 1, adapter, streaming, timeout, then=(greedy, 1))
                 requests += 2
             requests += 1
+            for i, n in enumerate(lengths):
+                at = (i + 1) % max(1, len(prompt_ids))
+                _run(engine, tokens[at:at + n], 1, adapter, one, timeout)
+            requests += len(lengths)
     finally:
         if throwaway:
             mgr.remove(WARM_ADAPTER)

@@ -132,6 +132,8 @@ class Learner:
         self.config = learn_config
         engine = llm.engine
         self.trainer = Trainer(llm.model, llm.tokenizer, engine.device, self._base_answers)
+        if engine.device.type == "cuda":  # on the CPU the factors are where the slots are: nothing to skip
+            self.trainer.stage_factors = engine.adapters.slots.stage
         self.trainer.kv_lender = KVLender(engine)  # checkpointed passes keep activations in free KV blocks
         self._green = None  # the CUDA green context training runs in while serving is busy (engine.config.train_sms)
         self.set_train_sms(engine.config.train_sms)
@@ -229,7 +231,7 @@ class Learner:
         self.publish(name, 0, weights, None, None)
 
     def publish(self, name: str, version: int, weights: AdapterWeights, parent: int | None, report: dict | None,
-                marks: dict | None = None) -> None:
+                marks: dict | None = None, staged: dict | None = None) -> None:
         """Make `weights` version `version` of adapter `name`: saved, recorded, then served to new requests.
         marks (a job's timings): gets the clock times at which the version was saved and published."""
         path = self.version_dir(name, version)
@@ -239,7 +241,7 @@ class Learner:
         self.store.add_adapter_version(name, version, str(path), parent_version=parent, report=report)
         if marks is not None:
             marks["saved"] = time.perf_counter()
-        self.llm.engine.adapters.publish(name, version, weights, stored=True)
+        self.llm.engine.adapters.publish(name, version, weights, stored=True, staged=staged)
         if marks is not None:
             marks["published"] = time.perf_counter()
 
@@ -403,7 +405,7 @@ class Learner:
                       "seconds": round(time.perf_counter() - started, 3),
                       "train_seconds": round(result.seconds, 3),
                       "examples": len(mine), "replays": result.replays, "replays_trained": result.replays_trained}
-            self.publish(name, version, result.weights, parent, report, marks)
+            self.publish(name, version, result.weights, parent, report, marks, staged=result.staged)
             job.published_at = marks["published"]
             # the moments leave the device after the version is out, stay in memory for this adapter's next job
             # (same thread), and go to disk after that: a crash in between costs a fresh optimizer state, never

@@ -249,6 +249,7 @@ class TrainResult:
     replays_trained: int = 0     # of them, those that trained in some step (all, with LearnConfig.replay_check off)
     step_items: list[int] = field(default_factory=list)  # per step taken: the examples it trained on (rewordings too)
     kv_loan: dict | None = None  # the job's loan of KV blocks (dark.engine.loan): bytes, layers kept over the job
+    staged: dict | None = None   # the factors for the serving slots, on the device still (Trainer.stage_factors)
 
 
 class Staging:
@@ -486,6 +487,9 @@ class Trainer:
         # move at a time (each waits for the last one's copy): after a process's first job it is large enough
         # (~0.3 GB at 7B) and no job pins memory again (pinning ~0.3 GB took ~0.25 s of a correction on the H200)
         self._staging = Staging(pin=device.type == "cuda")
+        # set by the learner when serving shares the device: a job's new factors in the serving slots' layout,
+        # made from the device copy it trained (AdapterSlots.stage), so the version's first request skips the host
+        self.stage_factors: Callable[[dict, float], dict] | None = None
         self._moment_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._copy_stream: torch.cuda.Stream | None = None
         self._inputs_to_host: InputsToHost | None = None  # made on the first checkpointed pass that uses it
@@ -950,6 +954,12 @@ class Trainer:
                 if on_step:
                     on_step(step, losses[-1])
         marks["trained"] = time.perf_counter()
+        staged = None
+        if self.stage_factors is not None:  # queued before to_host's wait, done when it returns
+            try:
+                staged = self.stage_factors({k: params[k] for k in keys}, weights.scaling)
+            except torch.OutOfMemoryError:
+                log.warning("no device memory to stage the new version for serving; it loads from the host instead")
         host = iter(to_host([t.detach() for k in keys for t in params[k]], self._staging))
         out = AdapterWeights(weights.config, {k: (next(host), next(host)) for k in keys}, weights.scaling)
         marks["copied"] = time.perf_counter()
@@ -965,7 +975,7 @@ class Trainer:
                    "replay_checks": check_s}
         return TrainResult(out, state, step, losses, verified, anchors_kept=kept,
                            timings={k: round(v, 3) for k, v in timings.items()}, replays=len(replays),
-                           replays_trained=len(replays) - len(held), step_items=step_items)
+                           replays_trained=len(replays) - len(held), step_items=step_items, staged=staged)
 
     def optimizer_state_to_host(self, state: dict) -> dict:
         """A TrainResult's optimizer state (AdamW's moments, on the device as training left them) in host memory,

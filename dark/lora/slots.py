@@ -21,6 +21,9 @@ import torch
 from ..models.decoder import ModelConfig, kernel_module
 from .weights import AdapterWeights, Key
 
+# an adapter version's factors on the device, in the slots' layout and precision (AdapterSlots.stage)
+Staged = dict[Key, tuple[torch.Tensor, torch.Tensor]]
+
 
 # past this (long prefills), the dense torch math: cuBLAS GEMMs over the active adapters; up to it the kernels,
 # which read each adapter once per 16 of its tokens (the decode graphs go up to 256 sequences)
@@ -42,6 +45,9 @@ class AdapterSlots:
         # is a view of its part, so one shrink and one expand give the whole group's delta
         self.groups: dict[Key, tuple[torch.Tensor, torch.Tensor, list[int]]] = {}
         self.rank = [0] * num_slots
+        # per slot, the rows of each projection's factors that may hold something (the rest are zeros): a load
+        # writes its own rank rows and zeroes only what its slot's previous adapter left past them
+        self._written: list[dict[Key, int]] = [{} for _ in range(num_slots)]
         self.use_kernels = kernel_module().available(device)
         # bumps when a factor tensor is allocated: CUDA graphs captured before then lack that projection
         self.version = 0
@@ -70,7 +76,19 @@ class AdapterSlots:
             self.B[key] = torch.zeros(self.num_slots, self.max_rank, fan_out, dtype=self.dtype, device=self.device)
             self.version += 1
 
-    def load(self, slot: int, weights: AdapterWeights) -> None:
+    def stage(self, factors: dict[Key, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> Staged:
+        """Factors already on this device (a learn job's, as training left them: fp32 A [r, in], B [out, r]) in the
+        slots' layout and precision, for load(): A rounded to the slot dtype, B transposed, scaled and rounded once,
+        exactly as load() makes them from host factors. The caller's stream must have finished them (and made
+        these) before load() runs on another; load() marks them used by its own stream."""
+        with torch.no_grad():
+            return {k: (a.detach().to(self.dtype, copy=True), (b.detach().t() * scaling).to(self.dtype))
+                    for k, (a, b) in factors.items()}
+
+    def load(self, slot: int, weights: AdapterWeights, staged: Staged | None = None) -> None:
+        """Put an adapter version into `slot`. staged: the version's factors on the device already (stage()); else
+        they cross from the host, one copy per dtype. Only rows that can hold something are written: the
+        adapter's rank rows, and rows of the slot's previous adapter past them (zeroed)."""
         r = weights.config.r
         if r > self.max_rank:
             from ..errors import InvalidRequestError
@@ -79,24 +97,34 @@ class AdapterSlots:
                                       f"start the engine with max_lora_rank={r} or more")
         for key in weights.tensors:
             self._ensure(key)
-        # every factor crosses to the device in one copy, in its own dtype (a version is host memory: ~160 MB in fp32
-        # at 7B, rank 16), and B's scaling is applied there: one copy per factor through pageable memory took
-        # ~0.15 s of the first request on a new version on an H200 (bench/probe_first_request.py)
         keys = [k for k in self.A if k in weights.tensors]
-        host = [t.reshape(-1) for k in keys for t in weights.tensors[k]]
-        moved = iter(_to_device(host, self.device))
-        for key in self.A:
-            if key not in weights.tensors:
-                self.A[key][slot].zero_()
-                self.B[key][slot].zero_()
-                continue
-            a, b = weights.tensors[key]
-            a_dev, b_dev = next(moved).view(a.shape), next(moved).view(b.shape)
-            self.A[key][slot, :r].copy_(a_dev)
-            self.A[key][slot, r:].zero_()
-            # scaled in the factors' own precision, then rounded once to the slot's (as the host used to)
-            self.B[key][slot, :r].copy_(b_dev.t() * weights.scaling)
-            self.B[key][slot, r:].zero_()
+        if staged is not None and all(k in staged for k in keys):
+            srcs = [t for k in keys for t in staged[k]]
+            if self.device.type == "cuda":
+                stream = torch.cuda.current_stream(self.device)
+                for t in srcs:  # freed by its maker's stream's allocator: not before this stream's copies ran
+                    t.record_stream(stream)
+        else:
+            # the factors cross to the device in one copy per dtype (a version is host memory: ~150 MB in fp32 at
+            # 7B, rank 16), and B's scaling is applied there, in their own precision, rounded once by the copy
+            host = [t.reshape(-1) for k in keys for t in weights.tensors[k]]
+            moved = iter(_to_device(host, self.device))
+            srcs = []
+            for key in keys:
+                a, b = weights.tensors[key]
+                srcs.append(next(moved).view(a.shape))
+                srcs.append(next(moved).view(b.shape).t() * weights.scaling)
+        dsts = [t for k in keys for t in (self.A[k][slot, :r], self.B[k][slot, :r])]
+        stale = []  # rows the previous adapter wrote that this one does not
+        for k, rows in self._written[slot].items():
+            keep = r if k in weights.tensors else 0
+            if rows > keep:
+                stale += [self.A[k][slot, keep:rows], self.B[k][slot, keep:rows]]
+        with torch.no_grad():
+            if stale:
+                torch._foreach_zero_(stale)
+            torch._foreach_copy_(dsts, srcs)
+        self._written[slot] = {k: r for k in keys}
         self.rank[slot] = r
 
     def kernel_rank(self) -> int:
