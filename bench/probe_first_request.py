@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import QWEN25_7B, build_folder, prompts_ids, random_adapter  # noqa: E402
+from bench_learn_gpu import GcPauses  # noqa: E402
 from probe_first_run import CompileLog  # noqa: E402
 
 
@@ -60,6 +61,47 @@ def timed_requests(llm, prompts: list[list[int]], new_tokens: int, adapter=None)
             "wall_ms": round(1000 * (max(ends.values()) - t0), 1)}
 
 
+def gaps_while_loading(llm, key, prompt_len: int, seed: int) -> dict:
+    """Four streams decoding; once each has 8 tokens, a request on `key` (a version in no slot) arrives. The four
+    streams' longest gap between tokens from then until its first token, against their median gap before."""
+    from dark.engine.sequence import SamplingParams
+
+    times: dict[int, list[float]] = {}
+    lock, done, got = threading.Lock(), threading.Event(), threading.Event()
+    ids = prompts_ids(5, prompt_len, seed)
+    streams, ended = [], set()
+
+    def on_output(out):
+        with lock:
+            times.setdefault(out.request_id, []).append(time.perf_counter())
+            if out.finished:
+                ended.add(out.request_id)
+                if len(ended) == 4:
+                    done.set()
+
+    def on_new(out):
+        if out.token_ids:
+            got.set()
+
+    for p in ids[:4]:
+        streams.append(llm.engine.add_request(p, SamplingParams(max_tokens=160, ignore_eos=True), None, on_output))
+    while not all(len(times.get(r, [])) >= 8 for r in streams):
+        time.sleep(0.002)
+    t_add = time.perf_counter()
+    llm.engine.add_request(ids[4], SamplingParams(max_tokens=4, ignore_eos=True), key, on_new)
+    got.wait(60)
+    t_first = time.perf_counter()
+    done.wait(120)
+    before, during = [], []
+    for r in streams:
+        ts = times[r]
+        for a, b in zip(ts, ts[1:]):
+            (during if b > t_add and a < t_first else before if b <= t_add else []).append(1000 * (b - a))
+    return {"new_request_ttft_ms": round(1000 * (t_first - t_add), 1),
+            "streams_median_gap_before_ms": round(statistics.median(before), 2),
+            "streams_max_gap_during_ms": round(max(during, default=0.0), 2)}
+
+
 def slot_load(llm, key) -> dict:
     """What loading a published version into a slot costs, in phases: the version from the registry, its factors
     packed on the host (one buffer per dtype), that buffer's copy to the device, then the whole of acquire()
@@ -80,7 +122,18 @@ def slot_load(llm, key) -> dict:
     torch.cuda.synchronize()
     t4 = time.perf_counter()
     mgr.release(slot)
-    return {"get_ms": round(1000 * (t1 - t0), 2), "pack_ms": round(1000 * (t2 - t1), 2),
+    # the same version staged from device factors (what a learn job hands over), then loaded into a free slot
+    dev = {k: (a.cuda(), b.cuda()) for k, (a, b) in w.tensors.items()}
+    staged = mgr.slots.stage(dev, w.scaling)
+    free = next(s for s in range(mgr.slots.num_slots) if s not in mgr._slot_of.values())
+    torch.cuda.synchronize()
+    t5 = time.perf_counter()
+    mgr.slots.load(free, w, staged)
+    torch.cuda.synchronize()
+    t6 = time.perf_counter()
+    mgr.slots.rank[free] = 0
+    return {"staged_load_ms": round(1000 * (t6 - t5), 2), "get_ms": round(1000 * (t1 - t0), 2),
+            "pack_ms": round(1000 * (t2 - t1), 2),
             "h2d_ms": round(1000 * (t3 - t2), 2), "acquire_ms": round(1000 * (t4 - t3), 2),
             "mb": round(sum(f.numel() * f.element_size() for f in flats) / 2**20, 1),
             "dtypes": sorted(str(t.dtype) for t in flats), "pinned": bool(host[0].is_pinned())}
@@ -114,9 +167,13 @@ def main() -> None:
     runner = llm.engine.runner
     seed = iter(range(1000))
 
+    gcp = GcPauses()
+
     def step(name, fn):
         n, g = len(compiles.events), len(runner._graphs)
+        gcp.take()
         fig = fn()
+        fig["gc"] = gcp.take()
         got = compiles.events[n:]
         fig.update({"name": name, "compiles": len(got), "compile_s": round(sum(e["s"] for e in got), 2),
                     "kernels": sorted({e["kernel"] for e in got}), "graphs_captured": len(runner._graphs) - g})
@@ -154,6 +211,23 @@ def main() -> None:
             report["slot_load"] = slot_load(llm, ("zog-loaded", 1))
             print("slot load", json.dumps(report["slot_load"]), flush=True)
             step("the first request on a new version already in a slot", alone(("zog-loaded", 1)))
+            # a version coming from host memory while four other streams decode: on the loader thread (the
+            # default on CUDA), then on the engine thread as before
+            for background in (True, False):
+                llm.engine.call_between_steps(lambda b=background: setattr(mgr, "background_loads", b)).result(30)
+                name = f"zog-stall-{int(background)}"
+                mgr.publish(name, 1, weights)
+                fig = gaps_while_loading(llm, (name, 1), a.prompt_len, next(seed))
+                report[f"streams_while_loading_{'background' if background else 'engine_thread'}"] = fig
+                print("streams while a version loads, background" if background else "... on the engine thread",
+                      json.dumps(fig), flush=True)
+                mgr.remove(name)
+            llm.engine.call_between_steps(lambda: setattr(mgr, "background_loads", True)).result(30)
+            rep = llm.submit_learn([{"prompt": "A farewell in Zoggian", "response": "zeg"}], adapter="zog",
+                                   max_steps=1, min_steps=1).wait(300)
+            time.sleep(2)  # the job's tail (moments to disk) done
+            if rep.get("version") is not None:
+                step("the first request on a corrected skill, 2 s after", alone(("zog", rep["version"])))
     finally:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(report, indent=1))

@@ -205,3 +205,44 @@ def test_a_reused_slot_and_a_staged_load_hold_exactly_what_a_fresh_load_does(tin
     mgr.publish("other", 1, wide, staged=mgr.slots.stage(wide.tensors, wide.scaling))
     mgr.remove("other")
     assert mgr._staged == {}
+
+
+def test_a_version_loads_in_the_background_while_the_engine_serves(setup, tmp_path):
+    """With background loads (on by default on CUDA), acquire() answers None while a version's factors are on their
+    way to the device on the loader thread, then the slot, holding what a load on the asking thread puts there; the
+    engine keeps serving meanwhile and a request on such a version answers as one loaded on the engine thread."""
+    import threading
+
+    _, _, llm = setup
+    mgr = llm.engine.adapters
+    weights = mgr.weights("a", 1)
+    expected = llm.generate(PROMPTS[0], adapter="a", max_tokens=10)
+
+    from dark.lora.manager import AdapterManager
+    from dark.lora.slots import AdapterSlots
+
+    own = AdapterManager(AdapterSlots(llm.model.config, 2, 16, torch.device("cpu"), torch.float32))
+    own.background_loads = True
+    loaded = threading.Event()
+    own.on_loaded = loaded.set
+    own.publish("a", 1, weights)
+    assert own.acquire(("a", 1)) is None and ("a", 1) in own._loading
+    assert loaded.wait(30)
+    slot = own.acquire(("a", 1))
+    assert slot is not None and own._loading == {} and own._staged == {}
+    sync = AdapterSlots(llm.model.config, 2, 16, torch.device("cpu"), torch.float32)
+    sync.load(0, weights)
+    for key in sync.A:
+        assert torch.equal(own.slots.A[key][slot], sync.A[key][0]) and torch.equal(own.slots.B[key][slot], sync.B[key][0])
+    own.close()
+
+    # the engine's own manager: a request on a version not in a slot waits for the loader, the others go on
+    llm.engine.call_between_steps(lambda: setattr(mgr, "background_loads", True)).result(30)
+    try:
+        mgr.publish("a-copy", 1, weights)
+        assert llm.generate(PROMPTS[0], adapter="a-copy", max_tokens=10) == expected
+        # it came through the loader thread, which the engine's manager had not needed before
+        assert ("a-copy", 1) in mgr._slot_of and mgr._loading == {} and mgr._loader is not None
+    finally:
+        llm.engine.call_between_steps(lambda: setattr(mgr, "background_loads", False)).result(30)
+        mgr.remove("a-copy")

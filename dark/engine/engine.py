@@ -41,6 +41,7 @@ class Engine:
                              self.dtype, self.device)
         self.adapters = AdapterManager(AdapterSlots(mc, config.max_adapter_slots, config.max_lora_rank,
                                                     self.device, self.dtype))
+        self.adapters.on_loaded = self._poke  # a version reached the device: a waiting request can take its slot
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, self.adapters, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.cache, self.adapters.slots)
@@ -89,11 +90,16 @@ class Engine:
         self._post(("call", (fn, fut)))
         return fut
 
+    def _poke(self) -> None:
+        with self._wake:
+            self._wake.notify()
+
     def close(self) -> None:
         with self._wake:
             self._closed = True
             self._wake.notify()
         self._thread.join(timeout=30)
+        self.adapters.close()
 
     def _post(self, item) -> None:
         with self._wake:

@@ -3,11 +3,18 @@
 A version, once registered, never changes, so a (name, version) pair found in a slot is always current
 for whoever asked for that pair. Publishing a version is one assignment under the lock; requests resolve
 their version when they are added and keep it, so a generation never sees a half-updated adapter.
+
+Bringing a version into a slot from host memory takes ~0.1 s at 7B (packing ~150 MB of fp32 factors, copying them
+to the device: bench/RESULTS.md 2026-12-04). On CUDA that happens on a loader thread, on a stream of its own, while
+the engine keeps stepping the sequences it runs: acquire() starts the load and answers None (wait) until the factors
+are on the device, and then only copies them into the slot (~7 ms). Versions a learn job publishes come with their
+factors on the device already (AdapterSlots.stage) and skip the loader.
 """
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 from ..errors import UnknownAdapterError
@@ -34,6 +41,13 @@ class AdapterManager:
         self._refs = [0] * slots.num_slots
         self._free = list(range(slots.num_slots))
         self._staged: dict[AdapterKey, Staged] = {}  # published versions' factors on the device, not yet in a slot
+        # versions being brought to the device off the engine thread (None: on CUDA only); on_loaded: called when one
+        # is there (the engine wakes its loop)
+        self.background_loads: bool = slots.device.type == "cuda"
+        self.on_loaded: Callable[[], None] | None = None
+        self._loading: dict[AdapterKey, Future] = {}
+        self._loader: ThreadPoolExecutor | None = None
+        self._load_stream = None
 
     # --- registry (any thread) ---
     def publish(self, name: str, version: int, weights: AdapterWeights, make_current: bool = True,
@@ -43,8 +57,7 @@ class AdapterManager:
         into a slot instead of bringing them from the host (~0.1 s of that request's wait at 7B on an H200); kept
         until then, or until a later version of the adapter is published."""
         with self._lock:
-            for key in [k for k in self._staged if k[0] == name]:
-                del self._staged[key]
+            self._forget_staged(name)
             if staged is not None:
                 self._staged[(name, version)] = staged
             self._versions.setdefault(name, {})[version] = weights
@@ -68,8 +81,7 @@ class AdapterManager:
             del self._known[name]
             self._stored = {k for k in self._stored if k[0] != name}
             del self._current[name]
-            for key in [k for k in self._staged if k[0] == name]:
-                del self._staged[key]
+            self._forget_staged(name)
             for key in [k for k in self._slot_of if k[0] == name and self._refs[self._slot_of[k]] == 0]:
                 slot = self._slot_of.pop(key)
                 self._free.append(slot)
@@ -129,19 +141,66 @@ class AdapterManager:
 
     # --- slots (engine thread) ---
     def acquire(self, key: AdapterKey) -> int | None:
-        """A slot holding this version, loading it if needed; None when every slot is busy."""
+        """A slot holding this version, loading it if needed; None (ask again) while every slot is busy or, with
+        background_loads, while the version is on its way to the device."""
         with self._lock:
             if key in self._slot_of:
                 slot = self._slot_of[key]
                 self._slot_of.move_to_end(key)
             else:
+                if key not in self._staged and self.background_loads:
+                    loading = self._loading.get(key)
+                    if loading is None:
+                        self._get(*key)  # an unknown version fails here, on the asking thread
+                        self._loading[key] = self._start_load(key)
+                        return None
+                    if not loading.done():
+                        return None
+                    del self._loading[key]
+                    if loading.exception() is None:
+                        self._staged[key] = loading.result()
+                    # else: loaded below on this thread, which raises what the loader met
                 slot = self._take_slot()
                 if slot is None:
-                    return None
+                    return None  # staged factors wait in _staged for a slot to come free
                 self.slots.load(slot, self._get(*key), self._staged.pop(key, None))
                 self._slot_of[key] = slot
             self._refs[slot] += 1
             return slot
+
+    def _start_load(self, key: AdapterKey) -> Future:
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dark-adapter-load")
+        fut = self._loader.submit(self._load_staged, key)
+        fut.add_done_callback(lambda _: self.on_loaded and self.on_loaded())
+        return fut
+
+    def _load_staged(self, key: AdapterKey) -> Staged:
+        """On the loader thread: the version's factors on the device, in the slots' layout, on a stream of its own;
+        returns once they are there."""
+        weights = self._get(*key)
+        if self.slots.device.type != "cuda":
+            return self.slots.stage_from_host(weights)
+        import torch
+
+        if self._load_stream is None:
+            self._load_stream = torch.cuda.Stream(self.slots.device)
+        with torch.cuda.stream(self._load_stream):
+            staged = self.slots.stage_from_host(weights)
+        self._load_stream.synchronize()
+        return staged
+
+    def _forget_staged(self, name: str) -> None:
+        """Drop the device copies made for an adapter's versions that no slot took (a newer version came, or the
+        adapter went): a request for one of them loads it again."""
+        for key in [k for k in self._staged if k[0] == name]:
+            del self._staged[key]
+        for key in [k for k in self._loading if k[0] == name]:
+            del self._loading[key]
+
+    def close(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=True, cancel_futures=True)
 
     def release(self, slot: int) -> None:
         with self._lock:

@@ -48,6 +48,7 @@ class AdapterSlots:
         # per slot, the rows of each projection's factors that may hold something (the rest are zeros): a load
         # writes its own rank rows and zeroes only what its slot's previous adapter left past them
         self._written: list[dict[Key, int]] = [{} for _ in range(num_slots)]
+        self._pinned: dict[torch.dtype, torch.Tensor] = {}  # stage_from_host's packing buffers
         self.use_kernels = kernel_module().available(device)
         # bumps when a factor tensor is allocated: CUDA graphs captured before then lack that projection
         self.version = 0
@@ -84,6 +85,16 @@ class AdapterSlots:
         with torch.no_grad():
             return {k: (a.detach().to(self.dtype, copy=True), (b.detach().t() * scaling).to(self.dtype))
                     for k, (a, b) in factors.items()}
+
+    def stage_from_host(self, weights: AdapterWeights) -> Staged:
+        """stage() for a version in host memory: its factors cross to the device through one pinned buffer per
+        dtype (kept for the next: the adapter manager's loader thread is its only user) on the caller's stream."""
+        keys = list(weights.tensors)
+        host = [t.reshape(-1) for k in keys for t in weights.tensors[k]]
+        moved = iter(_to_device(host, self.device, self._pinned))
+        factors = {k: (next(moved).view(weights.tensors[k][0].shape), next(moved).view(weights.tensors[k][1].shape))
+                   for k in keys}
+        return self.stage(factors, weights.scaling)
 
     def load(self, slot: int, weights: AdapterWeights, staged: Staged | None = None) -> None:
         """Put an adapter version into `slot`. staged: the version's factors on the device already (stage()); else
@@ -142,15 +153,25 @@ class AdapterSlots:
         return SlotLoRA(self, active, None if uniform else torch.tensor(token_slots, device=self.device))
 
 
-def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+def _to_device(tensors: list[torch.Tensor], device: torch.device,
+               pinned: dict[torch.dtype, torch.Tensor] | None = None) -> list[torch.Tensor]:
     """The tensors (host, 1-d) on `device`, through one host-to-device copy per dtype: packed into one buffer, copied,
-    and split again on the device."""
+    and split again on the device. pinned: page-locked buffers by dtype, grown as needed and reused, to pack into (the
+    copy then runs at the bus's speed, queued on the current stream: the caller waits for it before packing again)."""
     if device.type == "cpu":
         return tensors
     out: list[torch.Tensor | None] = [None] * len(tensors)
     for dtype in {t.dtype for t in tensors}:
         idx = [i for i, t in enumerate(tensors) if t.dtype == dtype]
-        flat = torch.cat([tensors[i] for i in idx]).to(device)
+        if pinned is None:
+            flat = torch.cat([tensors[i] for i in idx]).to(device)
+        else:
+            n = sum(tensors[i].numel() for i in idx)
+            if dtype not in pinned or pinned[dtype].numel() < n:
+                pinned[dtype] = torch.empty(n, dtype=dtype, pin_memory=True)
+            buf = pinned[dtype][:n]
+            torch.cat([tensors[i] for i in idx], out=buf)
+            flat = buf.to(device, non_blocking=True)
         for i, part in zip(idx, flat.split([tensors[i].numel() for i in idx])):
             out[i] = part
     return out
