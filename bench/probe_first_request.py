@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import QWEN25_7B, build_folder, prompts_ids, random_adapter  # noqa: E402
+from bench_decode import QWEN25_7B, StepClock, build_folder, prompts_ids, random_adapter  # noqa: E402
 from bench_learn_gpu import GcPauses  # noqa: E402
 from probe_first_run import CompileLog  # noqa: E402
 
@@ -62,44 +62,48 @@ def timed_requests(llm, prompts: list[list[int]], new_tokens: int, adapter=None)
 
 
 def gaps_while_loading(llm, key, prompt_len: int, seed: int) -> dict:
-    """Four streams decoding; once each has 8 tokens, a request on `key` (a version in no slot) arrives. The four
-    streams' longest gap between tokens from then until its first token, against their median gap before."""
+    """Four streams decoding; once each has 8 tokens, a request on `key` (a version in no slot) arrives. The engine's
+    longest interval between step starts from then until that request's first token (StepClock: a stall of the engine
+    thread stalls every stream), against the median interval before."""
     from dark.engine.sequence import SamplingParams
 
-    times: dict[int, list[float]] = {}
+    clock = StepClock(llm.engine.runner)
+    counts: dict[int, int] = {}
     lock, done, got = threading.Lock(), threading.Event(), threading.Event()
     ids = prompts_ids(5, prompt_len, seed)
-    streams, ended = [], set()
+    streams = []
 
     def on_output(out):
         with lock:
-            times.setdefault(out.request_id, []).append(time.perf_counter())
+            counts[out.request_id] = counts.get(out.request_id, 0) + len(out.token_ids)
             if out.finished:
-                ended.add(out.request_id)
-                if len(ended) == 4:
+                streams.append(out.request_id)
+                if len(streams) == 4:
                     done.set()
 
     def on_new(out):
         if out.token_ids:
             got.set()
 
-    for p in ids[:4]:
-        streams.append(llm.engine.add_request(p, SamplingParams(max_tokens=160, ignore_eos=True), None, on_output))
-    while not all(len(times.get(r, [])) >= 8 for r in streams):
-        time.sleep(0.002)
-    t_add = time.perf_counter()
-    llm.engine.add_request(ids[4], SamplingParams(max_tokens=4, ignore_eos=True), key, on_new)
-    got.wait(60)
-    t_first = time.perf_counter()
-    done.wait(120)
-    before, during = [], []
-    for r in streams:
-        ts = times[r]
-        for a, b in zip(ts, ts[1:]):
-            (during if b > t_add and a < t_first else before if b <= t_add else []).append(1000 * (b - a))
+    try:
+        rids = [llm.engine.add_request(p, SamplingParams(max_tokens=160, ignore_eos=True), None, on_output)
+                for p in ids[:4]]
+        while not all(counts.get(r, 0) >= 8 for r in rids):
+            time.sleep(0.002)
+        t_add = time.perf_counter()
+        llm.engine.add_request(ids[4], SamplingParams(max_tokens=4, ignore_eos=True), key, on_new)
+        got.wait(60)
+        t_first = time.perf_counter()
+        done.wait(120)
+    finally:
+        llm.engine.runner.run = clock.real_run
+    starts = [s for s, _, _ in clock.steps]
+    pairs = list(zip(starts, starts[1:]))
+    before = [1000 * (b - a) for a, b in pairs if b <= t_add]
+    during = [1000 * (b - a) for a, b in pairs if b > t_add and a < t_first]
     return {"new_request_ttft_ms": round(1000 * (t_first - t_add), 1),
-            "streams_median_gap_before_ms": round(statistics.median(before), 2),
-            "streams_max_gap_during_ms": round(max(during, default=0.0), 2)}
+            "median_step_interval_before_ms": round(statistics.median(before), 2),
+            "max_step_interval_during_ms": round(max(during, default=0.0), 2), "steps_during": len(during)}
 
 
 def slot_load(llm, key) -> dict:
@@ -117,11 +121,13 @@ def slot_load(llm, key) -> dict:
     for f in flats:
         f.to("cuda")
     torch.cuda.synchronize()
+    llm.engine.call_between_steps(lambda: setattr(mgr, "background_loads", False)).result(30)  # load here, now
     t3 = time.perf_counter()
     slot = mgr.acquire(key)
     torch.cuda.synchronize()
     t4 = time.perf_counter()
     mgr.release(slot)
+    llm.engine.call_between_steps(lambda: setattr(mgr, "background_loads", True)).result(30)
     # the same version staged from device factors (what a learn job hands over), then loaded into a free slot
     dev = {k: (a.cuda(), b.cuda()) for k, (a, b) in w.tensors.items()}
     staged = mgr.slots.stage(dev, w.scaling)
