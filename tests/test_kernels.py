@@ -963,6 +963,7 @@ def test_batch_of_one_takes_codes_from_the_norms(tiny_llm_with_adapters, monkeyp
     cfg = model.config
     model.use_fused_kernels(True)
     manager = llm.engine.adapters
+    monkeypatch.setattr(manager, "background_loads", False)  # loaded here and now (on CUDA it defaults to a thread)
     slot = manager.acquire(manager.resolve(adapter))
     g = torch.Generator().manual_seed(0)
     cache = KVCache(cfg.num_layers, 4, 8, cfg.num_kv_heads, cfg.head_dim, torch.float32, DEV)

@@ -234,6 +234,20 @@ def test_a_version_loads_in_the_background_while_the_engine_serves(setup, tmp_pa
     sync.load(0, weights)
     for key in sync.A:
         assert torch.equal(own.slots.A[key][slot], sync.A[key][0]) and torch.equal(own.slots.B[key][slot], sync.B[key][0])
+    # a version whose host copy left memory comes back from its folder on the loader thread too; a load that
+    # fails is raised to the request that asked, once
+    own.publish("b", 1, weights, stored=True)
+    own.publish("b", 2, weights, stored=True)
+    own.loader = lambda name, version: (_ for _ in ()).throw(FileNotFoundError(f"no folder for {name} v{version}"))
+    own.keep_in_memory = 1
+    own._trim("b")
+    assert own.loaded_versions("b") == [2]
+    loaded.clear()
+    assert own.acquire(("b", 1)) is None
+    assert loaded.wait(30)
+    with pytest.raises(FileNotFoundError, match="no folder for b v1"):
+        own.acquire(("b", 1))
+    assert own._failed == {} and own._loading == {}
     own.close()
 
     # the engine's own manager: a request on a version not in a slot waits for the loader, the others go on
@@ -246,3 +260,32 @@ def test_a_version_loads_in_the_background_while_the_engine_serves(setup, tmp_pa
     finally:
         llm.engine.call_between_steps(lambda: setattr(mgr, "background_loads", False)).result(30)
         mgr.remove("a-copy")
+
+
+def test_a_request_whose_adapter_is_deleted_while_it_waits_fails_alone(setup):
+    """A request queued on an adapter that is deleted before it starts ends with an error naming the adapter; the
+    engine goes on serving the others."""
+    import threading
+
+    from dark.engine.sequence import SamplingParams
+
+    _, _, llm = setup
+    mgr = llm.engine.adapters
+    mgr.publish("gone", 1, mgr.weights("a", 1))
+    outs, done = [], threading.Event()
+
+    def on_output(out):
+        if out.finished:
+            outs.append(out)
+            done.set()
+
+    def add_then_delete():  # on the engine thread, between steps: the request is queued, not started
+        llm.engine.add_request(llm.encode(PROMPTS[0]), SamplingParams(max_tokens=4), ("gone", 1), on_output)
+        mgr.remove("gone")
+
+    llm.engine.call_between_steps(add_then_delete).result(30)
+    assert done.wait(30)
+    assert outs[0].finish_reason == "error" and "gone" in str(outs[0].error)
+    assert isinstance(outs[0].error, UnknownAdapterError)
+    assert isinstance(llm.generate(PROMPTS[1], max_tokens=4), str)
+    assert isinstance(llm.generate(PROMPTS[1], adapter="a", max_tokens=4), str)

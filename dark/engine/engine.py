@@ -159,6 +159,10 @@ class Engine:
 
     def _step(self) -> None:
         batch = self.scheduler.schedule()
+        while self.scheduler.failed:
+            seq, error = self.scheduler.failed.pop()
+            log.warning("request %d could not start: %s", seq.id, error)
+            self._finish(seq, "error", error=error)
         if not batch:
             with self._wake:  # waiting on adapter slots or cache blocks held by others: nap until news
                 self._wake.wait(timeout=0.005)

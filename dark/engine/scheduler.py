@@ -14,6 +14,9 @@ class Scheduler:
         self.max_num_seqs, self.max_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # sequences that cannot start, with why (their adapter version went away, or could not be loaded): taken
+        # out of the queue by schedule(), failed by the engine
+        self.failed: list[tuple[Sequence, Exception]] = []
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -45,7 +48,12 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.adapter is not None:
-                slot = self.adapters.acquire(seq.adapter)
+                try:
+                    slot = self.adapters.acquire(seq.adapter)
+                except Exception as e:  # e.g. the adapter was deleted while the request waited
+                    self.waiting.popleft()
+                    self.failed.append((seq, e))
+                    continue
                 if slot is None:
                     break  # every slot serves running sequences: wait for one to finish
                 seq.slot = slot

@@ -46,6 +46,7 @@ class AdapterManager:
         self.background_loads: bool = slots.device.type == "cuda"
         self.on_loaded: Callable[[], None] | None = None
         self._loading: dict[AdapterKey, Future] = {}
+        self._failed: dict[AdapterKey, BaseException] = {}  # loads that failed, raised to the next acquire
         self._loader: ThreadPoolExecutor | None = None
         self._load_stream = None
 
@@ -59,7 +60,7 @@ class AdapterManager:
         with self._lock:
             self._forget_staged(name)
             if staged is not None:
-                self._staged[(name, version)] = staged
+                self._keep_staged((name, version), staged)
             self._versions.setdefault(name, {})[version] = weights
             self._known.setdefault(name, set()).add(version)
             if stored:
@@ -142,24 +143,21 @@ class AdapterManager:
     # --- slots (engine thread) ---
     def acquire(self, key: AdapterKey) -> int | None:
         """A slot holding this version, loading it if needed; None (ask again) while every slot is busy or, with
-        background_loads, while the version is on its way to the device."""
+        background_loads, while the version is on its way to the device. Raises what loading it met."""
         with self._lock:
             if key in self._slot_of:
                 slot = self._slot_of[key]
                 self._slot_of.move_to_end(key)
             else:
+                self._require(key[0])  # deleted while the request waited: an error for it, not for the engine
+                if key in self._failed:
+                    raise self._failed.pop(key)
                 if key not in self._staged and self.background_loads:
-                    loading = self._loading.get(key)
-                    if loading is None:
-                        self._get(*key)  # an unknown version fails here, on the asking thread
-                        self._loading[key] = self._start_load(key)
-                        return None
-                    if not loading.done():
-                        return None
-                    del self._loading[key]
-                    if loading.exception() is None:
-                        self._staged[key] = loading.result()
-                    # else: loaded below on this thread, which raises what the loader met
+                    if key not in self._loading:
+                        if key[1] not in self._known[key[0]]:  # fails here, on the asking thread
+                            raise UnknownAdapterError(f"adapter {key[0]!r} has no version {key[1]}")
+                        self._start_load(key)  # the host copy too, when it left memory (loader)
+                    return None
                 slot = self._take_slot()
                 if slot is None:
                     return None  # staged factors wait in _staged for a slot to come free
@@ -168,17 +166,51 @@ class AdapterManager:
             self._refs[slot] += 1
             return slot
 
-    def _start_load(self, key: AdapterKey) -> Future:
+    def _start_load(self, key: AdapterKey) -> None:
         if self._loader is None:
             self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dark-adapter-load")
         fut = self._loader.submit(self._load_staged, key)
-        fut.add_done_callback(lambda _: self.on_loaded and self.on_loaded())
-        return fut
+        self._loading[key] = fut
+        fut.add_done_callback(lambda f: self._loaded(key, f))
+
+    def _loaded(self, key: AdapterKey, fut: Future) -> None:
+        """On the loader thread, once a load ended: its factors wait in _staged (or its error in _failed) for the
+        version's request to ask again; a load the adapter no longer wants (a newer version, removed) is dropped."""
+        with self._lock:
+            if self._loading.get(key) is not fut:
+                return
+            del self._loading[key]
+            if fut.cancelled():
+                return
+            if fut.exception() is not None:
+                self._failed[key] = fut.exception()
+            else:
+                self._keep_staged(key, fut.result())
+        if self.on_loaded is not None:
+            self.on_loaded()
+
+    def _keep_staged(self, key: AdapterKey, staged: Staged) -> None:
+        """Staged factors wait for their version's first request; at most as many versions as there are slots (the
+        oldest go: a request whose wait was given up never comes for them, and they hold device memory)."""
+        self._staged[key] = staged
+        while len(self._staged) > self.slots.num_slots:
+            del self._staged[next(iter(self._staged))]
 
     def _load_staged(self, key: AdapterKey) -> Staged:
         """On the loader thread: the version's factors on the device, in the slots' layout, on a stream of its own;
-        returns once they are there."""
-        weights = self._get(*key)
+        returns once they are there. A version whose host copy left memory is read from its folder first, without
+        the lock (the engine thread takes it every step)."""
+        name, version = key
+        with self._lock:
+            weights = self._versions.get(name, {}).get(version)
+        if weights is None:
+            if self.loader is None:
+                raise UnknownAdapterError(f"adapter {name!r} has no version {version} in memory")
+            weights = self.loader(name, version)
+            with self._lock:
+                if name in self._versions:
+                    weights = self._versions[name].setdefault(version, weights)
+                    self._trim(name, keep=version)
         if self.slots.device.type != "cuda":
             return self.slots.stage_from_host(weights)
         import torch
@@ -197,6 +229,8 @@ class AdapterManager:
             del self._staged[key]
         for key in [k for k in self._loading if k[0] == name]:
             del self._loading[key]
+        for key in [k for k in self._failed if k[0] == name]:
+            del self._failed[key]
 
     def close(self) -> None:
         if self._loader is not None:
