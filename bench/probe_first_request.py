@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import sys
 import tempfile
@@ -27,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import QWEN25_7B, StepClock, build_folder, prompts_ids, random_adapter  # noqa: E402
 from bench_learn_gpu import GcPauses  # noqa: E402
-from probe_first_run import CompileLog  # noqa: E402
+from probe_first_run import CompileLog, write_and_close  # noqa: E402
 
 
 def timed_requests(llm, prompts: list[list[int]], new_tokens: int, adapter=None) -> dict:
@@ -235,10 +234,7 @@ def main() -> None:
             if rep.get("version") is not None:
                 step("the first request on a corrected skill, 2 s after", alone(("zog", rep["version"])))
     finally:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(report, indent=1))
-        llm.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+        write_and_close(report, a.out, llm, tmp)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,14 @@ class GcLog:
                 for g in (0, 1, 2)}
 
 
+def write_and_close(report: dict, out: Path, llm, tmp: Path) -> None:
+    """A probe's end, whatever happened in it: its report written, the model closed, its model folder gone."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    llm.close()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokenizer", type=Path, default=Path(".data/tok"))
@@ -101,10 +109,7 @@ def main() -> None:
                   "compiles", [(e["kernel"], e["s"], e["t"]) for e in r["compiles_incl_warmup"]],
                   "prefill", r["prefill_steps_ms"], flush=True)
     finally:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(report, indent=1))
-        llm.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+        write_and_close(report, a.out, llm, tmp)
 
 
 if __name__ == "__main__":

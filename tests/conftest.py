@@ -88,3 +88,19 @@ def browser():
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         yield browser
         browser.close()
+
+
+@pytest.fixture
+def triton_compiles(monkeypatch) -> list[str]:
+    """The names of the Triton kernels compiled while the test runs, in order (JITFunction._do_compile wrapped)."""
+    from triton.runtime.jit import JITFunction
+
+    names: list[str] = []
+    real = JITFunction._do_compile
+
+    def logged(fn, *args, **kw):
+        names.append(fn.fn.__name__)
+        return real(fn, *args, **kw)
+
+    monkeypatch.setattr(JITFunction, "_do_compile", logged)
+    return names

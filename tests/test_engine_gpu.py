@@ -236,25 +236,16 @@ def test_decoding_in_a_partition_while_learning_gives_the_same_tokens(tiny_model
         assert engine.runner._replay_stream == engine.stream
 
 
-def test_after_the_serving_warm_up_the_first_requests_compile_and_capture_nothing(tiny_models, tmp_path, monkeypatch):
+def test_after_the_serving_warm_up_the_first_requests_compile_and_capture_nothing(tiny_models, tmp_path, triton_compiles):
     """The warm-up (on by default on CUDA: dark.engine.warm) compiled every kernel variant and captured every decode
     graph that a first request alone, four at once, one joining another as it decodes, and a first request on an
     adapter of the default LoRA shape need: none of them compiles a Triton kernel or captures a graph (on an H200
     at 7B with an empty Triton cache they waited 2.5 s and 8.3 s without it). bf16, the 7B's head layout."""
-    from triton.runtime.jit import JITFunction
-
     from dark.config import LoraConfig
     from dark.engine.sequence import SamplingParams
     from dark.lora.weights import AdapterWeights
 
-    compiled = []
-    real = JITFunction._do_compile
-
-    def logged(fn, *args, **kw):
-        compiled.append(fn.fn.__name__)
-        return real(fn, *args, **kw)
-
-    monkeypatch.setattr(JITFunction, "_do_compile", logged)
+    compiled = triton_compiles
     with OnlineLLM(str(tiny_models["qwen2"]), data_dir=tmp_path, device=CUDA, dtype="bfloat16", max_num_seqs=8) as llm:
         assert llm.warm_serving_seconds > 0 and compiled  # the warm-up compiled what the requests below use
         runner = llm.engine.runner

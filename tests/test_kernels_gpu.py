@@ -686,13 +686,11 @@ def test_paged_prefill_step_sends_its_decode_rows_to_the_decode_kernel(seqs):
     assert rel_err(out, flash.cpu()) < BF16_TOL
 
 
-def test_mixed_step_decode_rows_compile_nothing_the_decode_graphs_did_not(monkeypatch):
+def test_mixed_step_decode_rows_compile_nothing_the_decode_graphs_did_not(triton_compiles):
     """The decode rows of a step that also holds prompt chunks go to paged_decode in the variant a decode graph of
     their bucket compiled (its context ranges, its pipelining, dependent launch on): after one call launched as a
     decode graph launches it, the mixed step compiles no attention kernel (each compile took ~0.5 s in the middle
     of serving on the H200). Unusual head counts, so no other test compiled this variant first."""
-    from triton.runtime.jit import JITFunction
-
     from dark.engine.runner import GRAPH_BUCKETS
     from dark.models.decoder import kernel_module
     from test_attention import paged_step_case
@@ -708,14 +706,8 @@ def test_mixed_step_decode_rows_compile_nothing_the_decode_graphs_did_not(monkey
     q = torch.randn(bucket, heads, dim, device="cuda", dtype=torch.bfloat16)
     with kernel_module().dependent_launch():  # as a decode graph's warm-up and capture call it
         kernel_module("paged_attention").paged_decode(q, kc, vc, tables, ctx, dim ** -0.5)
-    compiled = []
-    real = JITFunction._do_compile
-
-    def logged(fn, *args, **kw):
-        compiled.append(fn.fn.__name__)
-        return real(fn, *args, **kw)
-
-    monkeypatch.setattr(JITFunction, "_do_compile", logged)
+    compiled = triton_compiles
+    compiled.clear()  # what the graph-like call above compiled
     attn, out, ref = paged_step_case("cuda", torch.bfloat16, heads=heads, kvh=kvh, dim=dim, bs=bs, seqs=seqs,
                                      decode_kernel=True)
     torch.cuda.synchronize()
