@@ -289,3 +289,49 @@ def test_a_request_whose_adapter_is_deleted_while_it_waits_fails_alone(setup):
     assert isinstance(outs[0].error, UnknownAdapterError)
     assert isinstance(llm.generate(PROMPTS[1], max_tokens=4), str)
     assert isinstance(llm.generate(PROMPTS[1], adapter="a", max_tokens=4), str)
+
+
+def test_requests_behind_one_whose_version_is_loading_are_served_meanwhile(setup):
+    """While a version is on its way to the device (here its host copy is read from its folder, held back until the
+    test lets it go), the engine goes on: a request on the base model and one on a resident adapter, both sent after
+    it, finish while it still waits; then it finishes too, with the answer of a version loaded on the spot."""
+    import threading
+
+    from dark.engine.sequence import SamplingParams
+
+    _, _, llm = setup
+    mgr = llm.engine.adapters
+    weights = mgr.weights("a", 1)
+    expected = llm.generate(PROMPTS[0], adapter="a", max_tokens=8)
+    gate, asked = threading.Event(), threading.Event()
+    real_loader = mgr.loader
+
+    def slow_loader(name, version):
+        asked.set()
+        assert gate.wait(60)
+        return weights
+
+    llm.engine.call_between_steps(lambda: setattr(mgr, "background_loads", True)).result(30)
+    mgr.publish("held", 1, weights, stored=True)
+    mgr.publish("held", 2, weights, stored=True)
+    mgr.loader, keep = slow_loader, mgr.keep_in_memory
+    mgr.keep_in_memory = 1
+    mgr._trim("held")  # version 1's host copy leaves memory: the loader must bring it back
+    try:
+        assert mgr.loaded_versions("held") == [2]
+        outs, done = [], threading.Event()
+        llm.engine.add_request(llm.encode(PROMPTS[0]), SamplingParams(max_tokens=8, ignore_eos=True), ("held", 1),
+                               lambda o: o.finished and (outs.append(o), done.set()))
+        assert asked.wait(30)
+        # sent after it, served before it
+        assert isinstance(llm.generate(PROMPTS[1], max_tokens=6), str)
+        assert isinstance(llm.generate(PROMPTS[2], adapter="a", max_tokens=6), str)
+        assert not done.is_set() and mgr.loading(("held", 1))
+        gate.set()
+        assert done.wait(30) and outs[0].error is None
+        assert outs[0].text == expected
+    finally:
+        gate.set()
+        mgr.loader, mgr.keep_in_memory = real_loader, keep
+        llm.engine.call_between_steps(lambda: setattr(mgr, "background_loads", False)).result(30)
+        mgr.remove("held")

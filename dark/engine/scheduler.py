@@ -45,6 +45,7 @@ class Scheduler:
                     # the next position's block too where one is free, so that the runner can launch the step
                     # after this one before its token is back (a block a step early; none taken from others)
                     self.blocks.ensure(seq, len(seq) + 1)
+        loading = []  # waiting for their adapter version to reach the device: the ones behind them go first
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.adapter is not None:
@@ -55,6 +56,9 @@ class Scheduler:
                     self.failed.append((seq, e))
                     continue
                 if slot is None:
+                    if self.adapters.loading(seq.adapter):
+                        loading.append(self.waiting.popleft())
+                        continue
                     break  # every slot serves running sequences: wait for one to finish
                 seq.slot = slot
             if not self.blocks.allocate(seq):
@@ -66,6 +70,7 @@ class Scheduler:
             n = min(len(seq) - seq.num_computed, budget)
             batch.append((seq, n))
             budget -= n
+        self.waiting.extendleft(reversed(loading))  # still first in line, in their order
         return batch
 
     def _release_slot(self, seq: Sequence) -> None:

@@ -166,6 +166,11 @@ class AdapterManager:
             self._refs[slot] += 1
             return slot
 
+    def loading(self, key: AdapterKey) -> bool:
+        """Whether this version is on its way to the device (the loader thread has it)."""
+        with self._lock:
+            return key in self._loading
+
     def _start_load(self, key: AdapterKey) -> None:
         if self._loader is None:
             self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dark-adapter-load")
