@@ -86,12 +86,14 @@ class AdapterSlots:
             return {k: (a.detach().to(self.dtype, copy=True), (b.detach().t() * scaling).to(self.dtype))
                     for k, (a, b) in factors.items()}
 
-    def stage_from_host(self, weights: AdapterWeights) -> Staged:
-        """stage() for a version in host memory: its factors cross to the device through one pinned buffer per
-        dtype (kept for the next: the adapter manager's loader thread is its only user) on the caller's stream."""
+    def stage_from_host(self, weights: AdapterWeights, pinned: bool = True) -> Staged:
+        """stage() for a version in host memory: its factors cross to the device in one copy per dtype (a version is
+        ~150 MB of fp32 at 7B, rank 16), on the caller's stream. pinned: packed into a page-locked buffer kept for
+        the next (the adapter manager's loader thread, its only user, waits for the copy before the next); else
+        into a new pageable one, whose copy returns once done."""
         keys = list(weights.tensors)
         host = [t.reshape(-1) for k in keys for t in weights.tensors[k]]
-        moved = iter(_to_device(host, self.device, self._pinned))
+        moved = iter(_to_device(host, self.device, self._pinned if pinned else None))
         factors = {k: (next(moved).view(weights.tensors[k][0].shape), next(moved).view(weights.tensors[k][1].shape))
                    for k in keys}
         return self.stage(factors, weights.scaling)
@@ -109,22 +111,13 @@ class AdapterSlots:
         for key in weights.tensors:
             self._ensure(key)
         keys = [k for k in self.A if k in weights.tensors]
-        if staged is not None and all(k in staged for k in keys):
-            srcs = [t for k in keys for t in staged[k]]
-            if self.device.type == "cuda":
-                stream = torch.cuda.current_stream(self.device)
-                for t in srcs:  # freed by its maker's stream's allocator: not before this stream's copies ran
-                    t.record_stream(stream)
-        else:
-            # the factors cross to the device in one copy per dtype (a version is host memory: ~150 MB in fp32 at
-            # 7B, rank 16), and B's scaling is applied there, in their own precision, rounded once by the copy
-            host = [t.reshape(-1) for k in keys for t in weights.tensors[k]]
-            moved = iter(_to_device(host, self.device))
-            srcs = []
-            for key in keys:
-                a, b = weights.tensors[key]
-                srcs.append(next(moved).view(a.shape))
-                srcs.append(next(moved).view(b.shape).t() * weights.scaling)
+        if staged is None:
+            staged = self.stage_from_host(weights, pinned=False)
+        elif self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            for t in (t for k in keys for t in staged[k]):  # made on another stream, whose allocator frees them:
+                t.record_stream(stream)                     # not before this stream's copies ran
+        srcs = [t for k in keys for t in staged[k]]
         dsts = [t for k in keys for t in (self.A[k][slot, :r], self.B[k][slot, :r])]
         stale = []  # rows the previous adapter wrote that this one does not
         for k, rows in self._written[slot].items():
