@@ -162,34 +162,15 @@ if triton is not None:
                        R: tl.constexpr, BR: tl.constexpr, MB: tl.constexpr, CHUNK: tl.constexpr,
                        BK: tl.constexpr, SPLITS: tl.constexpr, MEMBERS: tl.constexpr, STRIDE: tl.constexpr,
                        BT: tl.constexpr, SORTED: tl.constexpr, UPCAST: tl.constexpr,
-                       PDL: tl.constexpr, PRE: tl.constexpr):
+                       PDL: tl.constexpr):
+        wait_prior(PDL)  # every program, the ones with no tokens too (see wait_prior)
         sp = tl.program_id(1)
-        if PRE:  # the program's whole A tile [CHUNK, MB] read before the wait (see PRELOAD), then one dot
-            s, owns, tok, pm = _block(table_ptr, BT, SORTED)
-            c = tl.arange(0, MB)
-            cm = (c // BR < MEMBERS) & (c % BR < R)
-            kk = sp * CHUNK + tl.arange(0, CHUNK)
-            km = kk < K
-            a = tl.load(a_ptr + s * stride_as + ((c // BR) * STRIDE + c % BR).to(tl.int64)[None, :] * stride_ar
-                        + kk[:, None], mask=cm[None, :] & km[:, None] & owns, other=0.0)
-            wait_prior(PDL)
-            if owns:
-                x = tl.load(x_ptr + tok[:, None] * stride_xt + kk[None, :], mask=pm[:, None] & km[None, :],
-                            other=0.0)
-                if UPCAST or x.dtype == tl.float32:
-                    acc = tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
-                else:
-                    acc = tl.dot(x, a.to(x.dtype))
-                tl.store(h_ptr + (tok[:, None] * SPLITS + sp) * (MEMBERS * BR) + c[None, :], acc,
-                         mask=pm[:, None] & (c < MEMBERS * BR)[None, :])
-        else:
-            wait_prior(PDL)  # every program, the ones with no tokens too (see wait_prior)
-            s, owns, tok, pm = _block(table_ptr, BT, SORTED)
-            if owns:
-                acc, c, _, _ = _codes(x_ptr, a_ptr, s, tok, pm, sp * CHUNK, K, stride_xt, stride_as, stride_ar,
-                                      R, BR, MB, CHUNK, BK, MEMBERS, STRIDE, BT, UPCAST)
-                tl.store(h_ptr + (tok[:, None] * SPLITS + sp) * (MEMBERS * BR) + c[None, :], acc,
-                         mask=pm[:, None] & (c < MEMBERS * BR)[None, :])
+        s, owns, tok, pm = _block(table_ptr, BT, SORTED)
+        if owns:
+            acc, c, _, _ = _codes(x_ptr, a_ptr, s, tok, pm, sp * CHUNK, K, stride_xt, stride_as, stride_ar,
+                                  R, BR, MB, CHUNK, BK, MEMBERS, STRIDE, BT, UPCAST)
+            tl.store(h_ptr + (tok[:, None] * SPLITS + sp) * (MEMBERS * BR) + c[None, :], acc,
+                     mask=pm[:, None] & (c < MEMBERS * BR)[None, :])
 
     @triton.jit
     def _add_expanded(h, b_ptr, y_ptr, s, tok, pm, m, r, nb, N, N1, N2, stride_bs, stride_br, stride_yt,
@@ -223,48 +204,21 @@ if triton is not None:
     def _expand_kernel(h_ptr, b_ptr, table_ptr, y_ptr, N, N1, N2, stride_bs, stride_br, stride_yt,
                        R: tl.constexpr, BR: tl.constexpr, MB: tl.constexpr, SPLITS: tl.constexpr,
                        BN: tl.constexpr, TILES: tl.constexpr, MEMBERS: tl.constexpr, BT: tl.constexpr,
-                       SORTED: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr):
+                       SORTED: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
+        wait_prior(PDL)
         nb = tl.program_id(1)
-        if PRE:  # one column tile a program, its B rows read before the wait (see PRELOAD)
-            s, owns, tok, pm = _block(table_ptr, BT, SORTED)
+        s, owns, tok, pm = _block(table_ptr, BT, SORTED)
+        if owns:
             c = tl.arange(0, MB)
             m = c // BR
             r = c % BR
-            n = nb * BN + tl.arange(0, BN)
-            nm = n < N
-            member = (n >= N1).to(tl.int32) + (n >= N2).to(tl.int32)
-            b = tl.load(b_ptr + s * stride_bs + r[:, None] * stride_br + n[None, :],
-                        mask=(r < R)[:, None] & (m[:, None] == member[None, :]) & nm[None, :] & owns, other=0.0)
-            wait_prior(PDL)
-            if owns:
-                hp = h_ptr + tok[:, None] * (SPLITS * MEMBERS * BR) + c[None, :]
-                hm = pm[:, None] & (c < MEMBERS * BR)[None, :]
-                h = tl.zeros([BT, MB], tl.float32)
-                for sp in tl.static_range(SPLITS):
-                    h += tl.load(hp + sp * (MEMBERS * BR), mask=hm, other=0.0)
-                yp = y_ptr + tok[:, None] * stride_yt + n[None, :]
-                ym = pm[:, None] & nm[None, :]
-                y = tl.load(yp, mask=ym, other=0.0).to(tl.float32)
-                if UPCAST or b_ptr.dtype.element_ty == tl.float32:
-                    d = tl.dot(h, b.to(tl.float32), input_precision="ieee")
-                else:
-                    hi = h.to(b_ptr.dtype.element_ty)
-                    d = tl.dot((h - hi.to(tl.float32)).to(b_ptr.dtype.element_ty), b, tl.dot(hi, b))
-                tl.store(yp, (y + d).to(y_ptr.dtype.element_ty), mask=ym)
-        else:
-            wait_prior(PDL)
-            s, owns, tok, pm = _block(table_ptr, BT, SORTED)
-            if owns:
-                c = tl.arange(0, MB)
-                m = c // BR
-                r = c % BR
-                hp = h_ptr + tok[:, None] * (SPLITS * MEMBERS * BR) + c[None, :]
-                hm = pm[:, None] & (c < MEMBERS * BR)[None, :]
-                h = tl.zeros([BT, MB], tl.float32)
-                for sp in tl.static_range(SPLITS):  # unrolled: the partials' loads all in flight at once
-                    h += tl.load(hp + sp * (MEMBERS * BR), mask=hm, other=0.0)
-                _add_expanded(h, b_ptr, y_ptr, s, tok, pm, m, r, nb, N, N1, N2, stride_bs, stride_br, stride_yt,
-                              R, BN, TILES, UPCAST)
+            hp = h_ptr + tok[:, None] * (SPLITS * MEMBERS * BR) + c[None, :]
+            hm = pm[:, None] & (c < MEMBERS * BR)[None, :]
+            h = tl.zeros([BT, MB], tl.float32)
+            for sp in tl.static_range(SPLITS):  # unrolled: the partials' loads all in flight at once
+                h += tl.load(hp + sp * (MEMBERS * BR), mask=hm, other=0.0)
+            _add_expanded(h, b_ptr, y_ptr, s, tok, pm, m, r, nb, N, N1, N2, stride_bs, stride_br, stride_yt,
+                          R, BN, TILES, UPCAST)
 
 
     @triton.jit
@@ -301,18 +255,6 @@ EXPAND_PROGRAMS = 2048
 SHRINK_WARPS = 4
 EXPAND_WARPS = 4
 EXPAND_BLOCK_N = 256
-# factors before the wait: under dependent launch a program of the pair reads its factor tile (the shrink its
-# whole A range, the expand one B tile) before wait_prior, as the kernel before it still runs, and only its
-# activations after. The factors and the block table were written steps before, never by the kernel just before.
-# The shrink's range is cut to PRE_TILE elements of A so the tile stays in registers. DARK_LORA_PRELOAD=0: off.
-PRE_TILE = 16384
-PRELOAD = None  # True / False: for bench_lora_multi's variants; None: the environment's setting
-
-
-def _preload(preload) -> bool:
-    if preload is None:
-        preload = PRELOAD
-    return os.environ.get("DARK_LORA_PRELOAD", "1") != "0" if preload is None else bool(preload)
 
 
 def _table(token_slots, segments):
@@ -324,12 +266,11 @@ def _table(token_slots, segments):
 
 
 def lora_shrink(x, A, token_slots, rank: int, chunk: int | None = None, block_k: int = 128, members: int = 1,
-                stride: int = 0, segments=None, preload=None):
+                stride: int = 0, segments=None):
     """x [T, in] -> partial codes [T, splits, members, BR] fp32; for a token with a slot, the sum over axis 1 of
     [:, :, m, :rank] is A[s_t, m * stride:m * stride + rank] @ x[t] (rows of tokens without one are left
     unwritten). segments: lora_segments(token_slots), when the caller shares it between projections; chunk:
-    the K-range of one program (None: from the number of blocks); preload: A read before the wait (None:
-    DARK_LORA_PRELOAD, see PRE_TILE)."""
+    the K-range of one program (None: from the number of blocks)."""
     T, K = x.shape
     assert x.stride(1) == 1 and A.stride(2) == 1
     table, rows, is_sorted = _table(token_slots, segments) if T else (None, 0, False)
@@ -338,9 +279,6 @@ def lora_shrink(x, A, token_slots, rank: int, chunk: int | None = None, block_k:
     chunk = max(16, min(chunk, triton.next_power_of_2(K)))
     br = max(16, triton.next_power_of_2(rank))
     mb = triton.next_power_of_2(members) * br
-    pre = _preload(preload)
-    if pre:
-        chunk = max(16, min(chunk, PRE_TILE // mb))
     block_k = max(16, min(block_k, chunk, max(32, 8192 // mb)))
     splits = triton.cdiv(K, chunk)
     h = torch.empty(T, splits, members, br, device=x.device, dtype=torch.float32)
@@ -349,16 +287,15 @@ def lora_shrink(x, A, token_slots, rank: int, chunk: int | None = None, block_k:
     _shrink_kernel[(rows, splits)](x, A, table, h, K, x.stride(0), A.stride(0), A.stride(1), R=rank, BR=br, MB=mb,
                                    CHUNK=chunk, BK=block_k, SPLITS=splits, MEMBERS=members, STRIDE=stride,
                                    BT=BLOCK_T, SORTED=is_sorted, UPCAST=_interpreted(), num_warps=SHRINK_WARPS,
-                                   PRE=pre, **pdl(x.device))
+                                   **pdl(x.device))
     return h
 
 
 def lora_expand(h, B, token_slots, y, rank: int, block_n: int | None = None, splits=None, segments=None,
-                tiles: int | None = None, preload=None):
+                tiles: int | None = None):
     """y [T, out] += B[s_t, :rank]^T @ sum(h[t]) for tokens with a slot, each output column with the code of
     its member (splits: the members' out sizes; at most 3); returns y. tiles: column tiles of one program
-    (None: from the number of blocks); block_n None: EXPAND_BLOCK_N; preload: one tile a program, its B read
-    before the wait (None: DARK_LORA_PRELOAD)."""
+    (None: from the number of blocks); block_n None: EXPAND_BLOCK_N."""
     block_n = EXPAND_BLOCK_N if block_n is None else block_n
     T, N = y.shape
     parts, members, br = h.shape[1], h.shape[2], h.shape[3]
@@ -373,13 +310,12 @@ def lora_expand(h, B, token_slots, y, rank: int, block_n: int | None = None, spl
     n_tiles = triton.cdiv(N, block_n)
     if tiles is None:
         tiles = triton.cdiv(n_tiles, max(1, EXPAND_PROGRAMS // rows))
-    pre = _preload(preload)
-    tiles = 1 if pre else max(1, min(tiles, n_tiles))
+    tiles = max(1, min(tiles, n_tiles))
     _expand_kernel[(rows, triton.cdiv(n_tiles, tiles))](h, B, table, y, N, bounds[0], bounds[1], B.stride(0),
                                                         B.stride(1), y.stride(0), R=rank, BR=br, MB=mb,
                                                         SPLITS=parts, BN=block_n, TILES=tiles, MEMBERS=members,
                                                         BT=BLOCK_T, SORTED=is_sorted, UPCAST=_interpreted(),
-                                                        num_warps=EXPAND_WARPS, PRE=pre, **pdl(y.device))
+                                                        num_warps=EXPAND_WARPS, **pdl(y.device))
     return y
 
 
@@ -459,8 +395,7 @@ def lora_fused(x, y, A, B, token_slots, rank: int, splits=None, stride: int = 0,
     return y
 
 
-def lora_apply(x, y, A, B, token_slots, rank: int, splits=None, stride: int = 0, segments=None, fused=None,
-               preload=None):
+def lora_apply(x, y, A, B, token_slots, rank: int, splits=None, stride: int = 0, segments=None, fused=None):
     """y += each token's LoRA delta (in place); a group when splits names its members. segments:
     lora_segments(token_slots), computed once per forward by the caller; made here when None. fused: one launch
     (lora_fused) or shrink then expand; None: the module's FUSED (DARK_LORA_FUSED)."""
@@ -469,5 +404,5 @@ def lora_apply(x, y, A, B, token_slots, rank: int, splits=None, stride: int = 0,
     if FUSED if fused is None else fused:
         return lora_fused(x, y, A, B, token_slots, rank, splits=splits, stride=stride, segments=segments)
     members = len(splits) if splits else 1
-    h = lora_shrink(x, A, token_slots, rank, members=members, stride=stride, segments=segments, preload=preload)
-    return lora_expand(h, B, token_slots, y, rank, splits=splits, segments=segments, preload=preload)
+    h = lora_shrink(x, A, token_slots, rank, members=members, stride=stride, segments=segments)
+    return lora_expand(h, B, token_slots, y, rank, splits=splits, segments=segments)

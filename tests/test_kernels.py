@@ -157,13 +157,11 @@ def _lora_case(token_slots, fan_in, splits, rank, max_rank, dtype, seed, slots_n
                                             (16, torch.bfloat16, 1e-2), (8, torch.float32, 1e-5)])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("mix", list(SLOT_MIXES))
-@pytest.mark.parametrize("fused,preload", [(True, None), (False, True), (False, False)],
-                         ids=["fused", "two_kernels", "two_kernels_factors_after_wait"])
-def test_lora_segments_match_reference(fused, preload, mix, layout, rank, dtype, tol):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "two_kernels"])
+def test_lora_segments_match_reference(fused, mix, layout, rank, dtype, tol):
     """The segment kernels against lora_reference on every slot mix, plain and grouped (q/k/v with outs 64/16/16,
-    gate/up), rank 8 and 16 in slots of rank 16, through the fused kernel and the shrink/expand pair (its factor
-    tiles read before the wait, one B tile a program, or inside the K and column loops); fan_in 600 takes two or
-    three K-splits (two kernels) or two K steps with a masked tail (fused). Tokens without an adapter are left
+    gate/up), rank 8 and 16 in slots of rank 16, through the fused kernel and the shrink/expand pair; fan_in 600
+    takes two K-splits (two kernels) or two K steps with a masked tail (fused). Tokens without an adapter are left
     exactly as they were."""
     from dark.kernels.lora import lora_segments
 
@@ -174,9 +172,9 @@ def test_lora_segments_match_reference(fused, preload, mix, layout, rank, dtype,
     kw = dict(splits=splits, stride=max_rank) if len(splits) > 1 else {}
     ref = lora_reference(x.cpu(), y.cpu(), A.cpu(), B.cpu(), token_slots, rank, **kw)
     slots_dev = token_slots.to(DEV)
-    out = lora_apply(x, y.clone(), A, B, slots_dev, rank, fused=fused, preload=preload, **kw)
+    out = lora_apply(x, y.clone(), A, B, slots_dev, rank, fused=fused, **kw)
     shared = lora_apply(x, y.clone(), A, B, slots_dev, rank, segments=lora_segments(slots_dev, max_slots=4),
-                        fused=fused, preload=preload, **kw)
+                        fused=fused, **kw)
     assert torch.equal(out, shared), "a table made for the slot count must give what the call makes itself"
     out, y = out.cpu(), y.cpu()
     for t, s in enumerate(token_slots.tolist()):
@@ -188,8 +186,7 @@ def test_lora_segments_match_reference(fused, preload, mix, layout, rank, dtype,
         assert delta_ref.norm() > 0.1 and rel_err(out, ref) < tol
 
 
-@pytest.mark.parametrize("preload,parts", [(False, 3), (True, 5)])
-def test_lora_shrink_writes_each_token_row(preload, parts):
+def test_lora_shrink_writes_each_token_row():
     """The shrink's partial codes, summed over its K-splits, are each token's own code at the token's original
     row, whatever the sorted order (members side by side, padded to 16 rows)."""
     from dark.kernels.lora import lora_shrink
@@ -197,9 +194,8 @@ def test_lora_shrink_writes_each_token_row(preload, parts):
     token_slots = torch.tensor([1, 3, -1, 1, 0, 3, 3, 1, 0])
     splits, rank, max_rank = [64, 16, 16], 8, 8
     A, B, x, y = _lora_case(token_slots, 1100, splits, rank, max_rank, torch.float32, seed=3)
-    h = lora_shrink(x, A, token_slots.to(DEV), rank, members=3, stride=max_rank, preload=preload).cpu()
-    # 1100 wide: three 512-wide K-splits; with the A tile read before the wait, five of 256 (4 members' rows x 256)
-    assert h.shape == (9, parts, 3, 16)
+    h = lora_shrink(x, A, token_slots.to(DEV), rank, members=3, stride=max_rank).cpu()
+    assert h.shape == (9, 3, 3, 16)  # 1100 wide: three 512-wide K-splits
     codes = h.sum(1)
     for t, s in enumerate(token_slots.tolist()):
         if s < 0:
