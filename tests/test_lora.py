@@ -207,6 +207,30 @@ def test_a_reused_slot_and_a_staged_load_hold_exactly_what_a_fresh_load_does(tin
     assert mgr._staged == {}
 
 
+@pytest.mark.parametrize("chunk", [1, 20000, 1 << 30], ids=["a_key_a_copy", "a_few_keys_a_copy", "one_copy"])
+def test_a_host_version_staged_in_chunks_holds_the_bits_of_one_staged_whole(tiny_models, tmp_path, chunk, monkeypatch):
+    """stage_from_host sends a version's factors in copies of up to STAGE_CHUNK bytes (whole keys each), so the
+    device holds one chunk of the host's fp32 at a time: whatever the chunk, every key is staged, to the bits
+    stage() gives the host factors as they are, with a key kept in bf16 on the host among fp32 ones."""
+    import dark.lora.slots as slots_mod
+    from dark.lora.slots import AdapterSlots
+
+    with OnlineLLM(str(tiny_models["qwen2"]), data_dir=tmp_path / "d") as llm:
+        mc = llm.model.config
+    weights = _random_weights(mc.projection_shapes(), mc.num_layers, 8,
+                              ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], seed=5)
+    odd = next(iter(weights.tensors))
+    weights.tensors[odd] = tuple(t.to(torch.bfloat16) for t in weights.tensors[odd])
+    slots = AdapterSlots(mc, 2, 16, torch.device("cpu"), torch.bfloat16)
+    monkeypatch.setattr(slots_mod, "STAGE_CHUNK", chunk)
+    whole = slots.stage(weights.tensors, weights.scaling)
+    got = slots.stage_from_host(weights)
+    assert got.keys() == whole.keys() == weights.tensors.keys()
+    for key in whole:
+        assert torch.equal(got[key][0], whole[key][0]) and torch.equal(got[key][1], whole[key][1]), key
+        assert got[key][0].untyped_storage().data_ptr() != weights.tensors[key][0].untyped_storage().data_ptr()
+
+
 def test_a_version_loads_in_the_background_while_the_engine_serves(setup, tmp_path):
     """With background loads (on by default on CUDA), acquire() answers None while a version's factors are on their
     way to the device on the loader thread, then the slot, holding what a load on the asking thread puts there; the

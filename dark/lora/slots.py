@@ -87,16 +87,32 @@ class AdapterSlots:
                     for k, (a, b) in factors.items()}
 
     def stage_from_host(self, weights: AdapterWeights, pinned: bool = True) -> Staged:
-        """stage() for a version in host memory: its factors cross to the device in one copy per dtype (a version is
-        ~150 MB of fp32 at 7B, rank 16), on the caller's stream. pinned: packed into a page-locked buffer kept for
-        the next (the adapter manager's loader thread, its only user, waits for the copy before the next); else
-        into a new pageable one, whose copy returns once done."""
+        """stage() for a version in host memory (~150 MB of fp32 at 7B, rank 16), on the caller's stream: packed into
+        one host buffer, which crosses in copies of up to STAGE_CHUNK bytes, each staged (rounded to the slots'
+        dtype) as it lands, so the device holds one chunk of the fp32 factors at a time beside the staged copy,
+        not all of them. pinned: the buffer is page-locked and kept for the next (the adapter manager's loader
+        thread, its only user, waits for the copies before the next); else a new pageable one, whose copies
+        return once done."""
         keys = list(weights.tensors)
         host = [t.reshape(-1) for k in keys for t in weights.tensors[k]]
-        moved = iter(_to_device(host, self.device, self._pinned if pinned else None))
-        factors = {k: (next(moved).view(weights.tensors[k][0].shape), next(moved).view(weights.tensors[k][1].shape))
-                   for k in keys}
-        return self.stage(factors, weights.scaling)
+        groups, size, group = [], 0, []
+        for i, k in enumerate(keys):  # keys whole (A and B) in a chunk, the chunks up to STAGE_CHUNK bytes
+            n = sum(t.numel() * t.element_size() for t in weights.tensors[k])
+            if group and size + n > STAGE_CHUNK:
+                groups.append(group)
+                group, size = [], 0
+            group.append(i)
+            size += n
+        if group:
+            groups.append(group)
+        staged: Staged = {}
+        packed = _pack(host, self._pinned if pinned and self.device.type == "cuda" else None)
+        for group in groups:
+            moved = iter(_chunk_to_device(packed, [j for i in group for j in (2 * i, 2 * i + 1)], self.device))
+            factors = {keys[i]: (next(moved).view(weights.tensors[keys[i]][0].shape),
+                                 next(moved).view(weights.tensors[keys[i]][1].shape)) for i in group}
+            staged.update(self.stage(factors, weights.scaling))
+        return staged
 
     def load(self, slot: int, weights: AdapterWeights, staged: Staged | None = None) -> None:
         """Put an adapter version into `slot`. staged: the version's factors on the device already (stage()); else
@@ -146,28 +162,44 @@ class AdapterSlots:
         return SlotLoRA(self, active, None if uniform else torch.tensor(token_slots, device=self.device))
 
 
-def _to_device(tensors: list[torch.Tensor], device: torch.device,
-               pinned: dict[torch.dtype, torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """The tensors (host, 1-d) on `device`, through one host-to-device copy per dtype: packed into one buffer, copied,
-    and split again on the device. pinned: page-locked buffers by dtype, grown as needed and reused, to pack into (the
-    copy then runs at the bus's speed, queued on the current stream: the caller waits for it before packing again)."""
-    if device.type == "cpu":
-        return tensors
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    for dtype in {t.dtype for t in tensors}:
+# bytes of host factors one host-to-device copy of stage_from_host carries (a 7B layer's rank-16 factors: ~5.5 MB)
+STAGE_CHUNK = 16 << 20
+
+
+def _pack(tensors: list[torch.Tensor], pinned: dict[torch.dtype, torch.Tensor] | None = None):
+    """The tensors (host, 1-d) packed into one host buffer per dtype: ({dtype: buffer}, [(dtype, offset, numel)] in
+    their order). pinned: page-locked buffers by dtype, grown as needed and reused (the copies out of one then run
+    at the bus's speed, queued on the current stream: the caller waits for them before packing again)."""
+    where, buffers = [], {}
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
         idx = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        n = sum(tensors[i].numel() for i in idx)
         if pinned is None:
-            flat = torch.cat([tensors[i] for i in idx]).to(device)
+            buffers[dtype] = torch.cat([tensors[i] for i in idx])
         else:
-            n = sum(tensors[i].numel() for i in idx)
             if dtype not in pinned or pinned[dtype].numel() < n:
                 pinned[dtype] = torch.empty(n, dtype=dtype, pin_memory=True)
-            buf = pinned[dtype][:n]
-            torch.cat([tensors[i] for i in idx], out=buf)
-            flat = buf.to(device, non_blocking=True)
-        for i, part in zip(idx, flat.split([tensors[i].numel() for i in idx])):
-            out[i] = part
-    return out
+            buffers[dtype] = pinned[dtype][:n]
+            torch.cat([tensors[i] for i in idx], out=buffers[dtype])
+    offsets = {dtype: 0 for dtype in buffers}
+    for t in tensors:
+        where.append((t.dtype, offsets[t.dtype], t.numel()))
+        offsets[t.dtype] += t.numel()
+    return buffers, where
+
+
+def _chunk_to_device(packed, idx: list[int], device: torch.device) -> list[torch.Tensor]:
+    """Tensors idx (ascending) of a _pack on `device`: one copy per dtype of the span of the buffer they take."""
+    buffers, where = packed
+    out: dict[int, torch.Tensor] = {}
+    for dtype in dict.fromkeys(where[i][0] for i in idx):
+        mine = [i for i in idx if where[i][0] == dtype]
+        start, end = where[mine[0]][1], where[mine[-1]][1] + where[mine[-1]][2]
+        flat = buffers[dtype][start:end]
+        flat = flat.to(device, non_blocking=flat.is_pinned())
+        for i in mine:
+            out[i] = flat[where[i][1] - start:where[i][1] - start + where[i][2]]
+    return [out[i] for i in idx]
 
 
 class SlotLoRA:
