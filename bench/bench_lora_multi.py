@@ -8,6 +8,8 @@ step is, and the graph is replayed back to back (CUDA events). Modes:
 - `gemm`: only the base projections' GEMMs (15 GB of weights a step);
 - `serial`: each GEMM then its pair, as the engine does it;
 - `side`: each projection's shrink on a second stream, beside its GEMM; the expand after both;
+- `ext`: one GEMM over the weight with every slot's A rows after its own (the base output and every slot's codes
+  side by side), then lora_expand_codes adds each token's own slot's delta (`ext_gemm`: that GEMM alone);
 - `side_delta`: shrink and expand on the second stream into a zeroed delta buffer, beside the GEMM; then y += delta
   (`side_delta_no_add`: without that add, the bound for a consumer kernel that adds the delta as it reads y).
 
@@ -77,7 +79,7 @@ def beside(side, fn):
     return out, done
 
 
-def step_fn(mode: str, lay, xs, ys, token_slots, slots: int, rank: int, lk, side):
+def step_fn(mode: str, lay, xs, ys, token_slots, slots: int, rank: int, lk, side, ext=None, yext=None):
     def step():
         seg = lk.lora_segments(token_slots, slots)
         for per in lay:
@@ -94,6 +96,13 @@ def step_fn(mode: str, lay, xs, ys, token_slots, slots: int, rank: int, lk, side
                     torch.matmul(x, W.t(), out=y)
                     torch.cuda.current_stream().wait_event(done)
                     lk.lora_expand(h, B, token_slots, y, rank, splits=kw["splits"], segments=seg)
+                elif mode in ("ext", "ext_gemm"):  # one GEMM over [W; every slot's A], then the expand
+                    n = sum(outs)
+                    ye = yext[name]
+                    torch.matmul(x, ext[id(W)].t(), out=ye)
+                    if mode == "ext":
+                        lk.lora_expand_codes(ye[:, n:], B, token_slots, ye[:, :n], rank, rank, splits=kw["splits"],
+                                             segments=seg)
                 elif mode in ("side_delta", "side_delta_no_add"):  # the pair beside it, into a delta buffer
                     def pair():
                         d = torch.zeros_like(y)
@@ -166,6 +175,14 @@ def main() -> None:
     need_gemm = any(m != "lora" for m in a.modes)
     lay, xs, ys, token_slots = build(a.layers, slots, a.rank, a.tokens, a.adapters, need_gemm, dev)
     side = torch.cuda.Stream(dev)
+    ext, yext = {}, {}
+    if any(m.startswith("ext") for m in a.modes):
+        for per in lay:
+            for name, A, B, W, outs in per:
+                ext[id(W)] = torch.cat([W, A.reshape(-1, A.shape[-1])])
+        for name, k, outs in PROJECTIONS:
+            yext[name] = torch.zeros(a.tokens, sum(outs) + slots * len(outs) * a.rank, dtype=torch.bfloat16,
+                                     device=dev)
     fb, wb = factor_bytes(a.rank, a.adapters, a.layers), weight_bytes(a.layers)
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "tokens": a.tokens, "adapters": a.adapters, "rank": a.rank,
@@ -181,9 +198,10 @@ def main() -> None:
             try:
                 run = {}
                 for mode in a.modes:
-                    graph = capture(step_fn(mode, lay, xs, ys, token_slots, slots, a.rank, lk, side), dev)
+                    graph = capture(step_fn(mode, lay, xs, ys, token_slots, slots, a.rank, lk, side, ext, yext),
+                                    dev)
                     ms = min(replay_ms(graph, a.reps) for _ in range(3))
-                    moved = {"lora": fb, "gemm": wb}.get(mode, fb + wb)
+                    moved = {"lora": fb, "gemm": wb, "ext_gemm": wb + fb // 2}.get(mode, fb + wb)
                     run[mode] = {"ms": round(ms, 3), "tb_s": round(moved / ms / 1e9, 2)}
                     if a.profile and name == "default":
                         run[mode]["kernels"] = kernel_sums(graph)

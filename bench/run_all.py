@@ -459,8 +459,12 @@ def memory(run: Run, llm) -> None:
     def storage_bytes(tensors) -> int:  # views of one storage (fused weights, grouped factors) count once
         return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
-    lora = storage_bytes(list(slots.A.values()) + list(slots.B.values()))
-    weights = storage_bytes(list(llm.model.parameters()))
+    # A rows kept inside extended weights (AdapterSlots.extend_weights) count as the slots', not the weights'
+    ext = {w.untyped_storage().data_ptr() for w, _, _ in slots.extended.values()}
+    ext_a = sum(a.numel() * a.element_size() for a in slots._ext_A.values())
+    lora = storage_bytes([t for t in list(slots.A.values()) + list(slots.B.values())
+                          if t.untyped_storage().data_ptr() not in ext]) + ext_a
+    weights = storage_bytes(list(llm.model.parameters())) - ext_a
     run.fig("memory_outside_kv_gb", gb(peak - kv))
     run.report["details"]["memory_gib"] = {"peak": gib(peak), "kv_cache": gib(kv), "adapter_slots": gib(lora),
                                           "weights": gib(weights), **mem(run.device)}

@@ -201,10 +201,14 @@ if triton is not None:
             tl.store(yp, (y + d).to(y_ptr.dtype.element_ty), mask=ym)
 
     @triton.jit
-    def _expand_kernel(h_ptr, b_ptr, table_ptr, y_ptr, N, N1, N2, stride_bs, stride_br, stride_yt,
+    def _expand_kernel(h_ptr, b_ptr, table_ptr, y_ptr, N, N1, N2, stride_bs, stride_br, stride_yt, stride_ht,
+                       stride_hs, stride_hm, stride_hp,
                        R: tl.constexpr, BR: tl.constexpr, MB: tl.constexpr, SPLITS: tl.constexpr,
                        BN: tl.constexpr, TILES: tl.constexpr, MEMBERS: tl.constexpr, BT: tl.constexpr,
                        SORTED: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
+        """h: token t's code of member m, rank row r (split sp) at t * stride_ht + s * stride_hs + m * stride_hm
+        + r + sp * stride_hp: lora_shrink's partials (stride_hs 0), or every slot's codes side by side in the
+        columns of a GEMM's output (lora_expand_codes: the token's own slot s picks its codes)."""
         wait_prior(PDL)
         nb = tl.program_id(1)
         s, owns, tok, pm = _block(table_ptr, BT, SORTED)
@@ -212,11 +216,11 @@ if triton is not None:
             c = tl.arange(0, MB)
             m = c // BR
             r = c % BR
-            hp = h_ptr + tok[:, None] * (SPLITS * MEMBERS * BR) + c[None, :]
-            hm = pm[:, None] & (c < MEMBERS * BR)[None, :]
+            hp = h_ptr + tok[:, None] * stride_ht + s * stride_hs + (m * stride_hm + r)[None, :]
+            hm = pm[:, None] & ((m < MEMBERS) & (r < R))[None, :]
             h = tl.zeros([BT, MB], tl.float32)
             for sp in tl.static_range(SPLITS):  # unrolled: the partials' loads all in flight at once
-                h += tl.load(hp + sp * (MEMBERS * BR), mask=hm, other=0.0)
+                h += tl.load(hp + sp * stride_hp, mask=hm, other=0.0).to(tl.float32)
             _add_expanded(h, b_ptr, y_ptr, s, tok, pm, m, r, nb, N, N1, N2, stride_bs, stride_br, stride_yt,
                           R, BN, TILES, UPCAST)
 
@@ -312,8 +316,41 @@ def lora_expand(h, B, token_slots, y, rank: int, block_n: int | None = None, spl
         tiles = triton.cdiv(n_tiles, max(1, EXPAND_PROGRAMS // rows))
     tiles = max(1, min(tiles, n_tiles))
     _expand_kernel[(rows, triton.cdiv(n_tiles, tiles))](h, B, table, y, N, bounds[0], bounds[1], B.stride(0),
-                                                        B.stride(1), y.stride(0), R=rank, BR=br, MB=mb,
+                                                        B.stride(1), y.stride(0), h.stride(0), 0, h.stride(2),
+                                                        h.stride(1), R=rank, BR=br, MB=mb,
                                                         SPLITS=parts, BN=block_n, TILES=tiles, MEMBERS=members,
+                                                        BT=BLOCK_T, SORTED=is_sorted, UPCAST=_interpreted(),
+                                                        num_warps=EXPAND_WARPS, **pdl(y.device))
+    return y
+
+
+def lora_expand_codes(codes, B, token_slots, y, rank: int, member_stride: int, splits=None, segments=None,
+                      block_n: int | None = None, tiles: int | None = None):
+    """lora_expand with every slot's codes given side by side: codes [T, slots * members * member_stride] (any
+    row stride, bf16 or fp32), token t's code of member m, rank row r at column s_t * members * member_stride +
+    m * member_stride + r, as one GEMM over a weight with every slot's A rows after the base rows leaves them
+    (dark.lora.slots: the engine's extended weights). y [T, out] += B[s_t, :rank]^T @ that code; returns y."""
+    block_n = EXPAND_BLOCK_N if block_n is None else block_n
+    T, N = y.shape
+    splits = splits or [N]
+    members = len(splits)
+    assert y.stride(1) == 1 and B.stride(2) == 1 and codes.stride(1) == 1 and members <= 3 and sum(splits) == N
+    assert rank <= member_stride
+    if T == 0:
+        return y
+    table, rows, is_sorted = _table(token_slots, segments)
+    bounds = [sum(splits[:i + 1]) for i in range(members - 1)] + [N, N]
+    br = max(16, triton.next_power_of_2(rank))
+    mb = triton.next_power_of_2(members) * br
+    block_n = max(16, min(block_n, triton.next_power_of_2(N), max(64, 16384 // mb)))
+    n_tiles = triton.cdiv(N, block_n)
+    if tiles is None:
+        tiles = triton.cdiv(n_tiles, max(1, EXPAND_PROGRAMS // rows))
+    tiles = max(1, min(tiles, n_tiles))
+    _expand_kernel[(rows, triton.cdiv(n_tiles, tiles))](codes, B, table, y, N, bounds[0], bounds[1], B.stride(0),
+                                                        B.stride(1), y.stride(0), codes.stride(0),
+                                                        members * member_stride, member_stride, 0, R=rank, BR=br,
+                                                        MB=mb, SPLITS=1, BN=block_n, TILES=tiles, MEMBERS=members,
                                                         BT=BLOCK_T, SORTED=is_sorted, UPCAST=_interpreted(),
                                                         num_warps=EXPAND_WARPS, **pdl(y.device))
     return y

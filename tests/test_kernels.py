@@ -186,6 +186,42 @@ def test_lora_segments_match_reference(fused, mix, layout, rank, dtype, tol):
         assert delta_ref.norm() > 0.1 and rel_err(out, ref) < tol
 
 
+@pytest.mark.parametrize("rank,dtype,tol", [(8, torch.bfloat16, 1e-2), (16, torch.float32, 1e-5)])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("mix", ["mixed", "40_tokens_2_slots", "single", "all_none"])
+def test_one_gemm_over_extended_weights_then_the_expand_matches_reference(mix, layout, rank, dtype, tol):
+    """The base weight with every slot's A rows after its own rows: one product gives the base output and every
+    slot's codes side by side; lora_expand_codes then adds each token's own slot's delta into the base columns
+    (a strided view of that output). Equal to lora_reference over the base product; tokens without an adapter
+    are left exactly as the product made them."""
+    from dark.kernels.lora import lora_expand_codes, lora_segments
+
+    splits = LAYOUTS[layout]
+    max_rank, fan_in, slots_n = 16, 600, 4
+    token_slots = torch.tensor(SLOT_MIXES[mix])
+    A, B, x, _ = _lora_case(token_slots, fan_in, splits, rank, max_rank, dtype, seed=len(mix) * 7 + rank)
+    g = torch.Generator().manual_seed(rank)
+    W = (torch.randn(sum(splits), fan_in, generator=g) * 0.05).to(DEV, dtype)
+    ext = torch.cat([W, A.reshape(-1, fan_in)])  # slot s, member m, rank row r: row out + (s * M + m) * 16 + r
+    y_ext = x @ ext.t()
+    y, codes = y_ext[:, :sum(splits)], y_ext[:, sum(splits):]
+    base = y.cpu().clone()  # the product's own base columns (another GEMM of W alone may round differently)
+    ref = lora_reference(x.cpu(), base, A.cpu(), B.cpu(), token_slots, rank, splits=splits, stride=max_rank)
+    slots_dev = token_slots.to(DEV)
+    out = lora_expand_codes(codes, B, slots_dev, y, rank, max_rank, splits=splits,
+                            segments=lora_segments(slots_dev, max_slots=slots_n))
+    assert out.data_ptr() == y_ext.data_ptr(), "the delta goes into the product's own base columns"
+    out = out.cpu()
+    for t, s in enumerate(token_slots.tolist()):
+        if s < 0:
+            assert torch.equal(out[t], base[t]), "a token without an adapter must be left alone"
+    delta_out, delta_ref = out.double() - base.double(), ref.double() - base.double()
+    if (token_slots >= 0).any():
+        assert delta_ref.norm() > 0.1
+    # the codes come out of the product rounded to its dtype (bf16: 2^-8), as PEFT's x @ A does
+    assert (delta_out - delta_ref).norm() <= 2 * tol * delta_ref.norm() + 1e-6
+
+
 def test_lora_shrink_writes_each_token_row():
     """The shrink's partial codes, summed over its K-splits, are each token's own code at the token's original
     row, whatever the sorted order (members side by side, padded to 16 rows)."""
@@ -386,6 +422,53 @@ def test_engine_fast_decode_path_matches_plain_path(tiny_llm_with_adapters):
     finally:
         runner.set_fast(was)
     assert runner.fast_steps - before >= 5, "the decode steps did not take the fast path"
+    for p, f in zip(plain, fast):
+        assert f.output_ids == p.output_ids
+        torch.testing.assert_close(torch.tensor(f.logprobs), torch.tensor(p.logprobs), atol=1e-4, rtol=1e-4)
+
+
+def test_engine_decode_over_extended_weights_matches_plain_path(tiny_models, tmp_path, monkeypatch):
+    """The weights laid out as the engine lays them out on CUDA (AdapterSlots.extend_weights: every slot's A rows
+    after each projection's own, here after two adapters were loaded, whose factors move into the new rows): the
+    model's parameters are views of the extended blocks, steps of several tokens with adapters take one product
+    for the base output and the codes and lora_expand_codes for the deltas, and a batch mixing two adapters and
+    none gives the plain path's tokens and log-probabilities."""
+    from dark import OnlineLLM
+    from test_lora import make_peft_adapter
+
+    base = tiny_models["qwen2"]
+    a = make_peft_adapter(base, tmp_path / "a", 1, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                    "down_proj"])
+    b = make_peft_adapter(base, tmp_path / "b", 2, ["q_proj", "v_proj", "down_proj", "lm_head"], r=4)
+    llm = OnlineLLM(str(base), data_dir=tmp_path / "data", device=DEV, dtype="float32", block_size=8, max_num_seqs=8)
+    try:
+        llm.load_adapter("a", a)
+        llm.load_adapter("b", b)
+        runner, slots = llm.engine.runner, llm.engine.adapters.slots
+        runner.set_fast(False)
+        plain = _generate_mixed(llm, 6)
+        runner.set_fast(True, graphs=False)  # every step through Python: the path is counted step by step
+        if not slots.extended:  # on CUDA the engine did it as it started
+            slots.extend_weights(llm.model)
+        layer = llm.model.model.layers[1]
+        for key, params in (("qkv", [layer.self_attn.q_proj, layer.self_attn.v_proj]), ("o_proj", [layer.self_attn.o_proj]),
+                            ("gate_up", [layer.mlp.up_proj]), ("down_proj", [layer.mlp.down_proj])):
+            ext = slots.extended[(1, key)][0]
+            for p in params:
+                assert p.weight.untyped_storage().data_ptr() == ext.untyped_storage().data_ptr(), key
+        lk = kernel_module("lora")
+        calls = []
+        real = lk.lora_expand_codes
+
+        def counted(codes, *args, **kw):
+            calls.append(codes.shape[0])
+            return real(codes, *args, **kw)
+
+        monkeypatch.setattr(lk, "lora_expand_codes", counted)
+        fast = _generate_mixed(llm, 6)
+    finally:
+        llm.close()
+    assert sum(1 for t in calls if t == 3) >= 4 * 2 * 4, "the decode steps of three did not take the extended path"
     for p, f in zip(plain, fast):
         assert f.output_ids == p.output_ids
         torch.testing.assert_close(torch.tensor(f.logprobs), torch.tensor(p.logprobs), atol=1e-4, rtol=1e-4)

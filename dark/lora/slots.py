@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
 from ..models.decoder import ModelConfig, kernel_module
 from .weights import AdapterWeights, Key
@@ -52,6 +53,66 @@ class AdapterSlots:
         self.use_kernels = kernel_module().available(device)
         # bumps when a factor tensor is allocated: CUDA graphs captured before then lack that projection
         self.version = 0
+        # (layer, "qkv" / "gate_up" / "o_proj" / "down_proj") -> (weight, bias, out): the model's weight with every
+        # slot's A rows after its own out rows (extend_weights), so one GEMM gives a step of several tokens its base
+        # output and every slot's codes side by side (SlotLoRA.extended); the A of those keys are views of it
+        self.extended: dict[Key, tuple[torch.Tensor, torch.Tensor | None, int]] = {}
+        self._ext_A: dict[Key, torch.Tensor] = {}
+
+    def extend_weights(self, model) -> None:
+        """Lay each layer's q/k/v, o_proj, gate/up and down_proj weight out again with room for every slot's A rows
+        after the projection's own (zeros until an adapter loads), the model's parameters becoming views of the
+        base rows: base-only products, the batch-1 GEMVs and training read those rows as before (the same
+        contiguous block), and a decode step of several tokens with adapters runs one GEMM over the whole that
+        gives every slot's codes with the base output: no shrink launch, the A bytes read by cuBLAS in the same
+        pass (SlotLoRA.extended). The A rows are allocated here rather than on first load: the weights must not
+        move once CUDA graphs have captured them. Call before anything captures the weights (the engine does, as
+        it starts); factors already loaded move into the new rows."""
+        with torch.no_grad():
+            for layer, block in enumerate(model.model.layers):
+                a, m = block.self_attn, block.mlp
+                if a.qkv is not None:
+                    a.qkv = self._extend((layer, "qkv"), [a.q_proj, a.k_proj, a.v_proj], *a.qkv)
+                if m.gate_up is not None:
+                    m.gate_up = self._extend((layer, "gate_up"), [m.gate_proj, m.up_proj], *m.gate_up)
+                for lin in (a.o_proj, m.down_proj):
+                    self._extend((layer, lin.name), [lin], lin.weight.data,
+                                 None if lin.bias is None else lin.bias.data)
+
+    def _extend(self, key: Key, linears, weight: torch.Tensor, bias: torch.Tensor | None):
+        out, fan_in = weight.shape
+        assert weight.dtype == self.dtype and weight.is_contiguous()
+        rows = self.num_slots * len(linears) * self.max_rank
+        ext = torch.empty(out + rows, fan_in, dtype=weight.dtype, device=weight.device)
+        ext[:out].copy_(weight)
+        ext[out:].zero_()
+        ext_bias = None
+        if bias is not None:
+            ext_bias = torch.zeros(out + rows, dtype=bias.dtype, device=bias.device)
+            ext_bias[:out].copy_(bias)
+        start = 0
+        for lin in linears:  # the old weight is freed once nothing holds it
+            n = lin.weight.shape[0]
+            lin.weight = torch.nn.Parameter(ext[start:start + n], requires_grad=False)
+            if ext_bias is not None:
+                lin.bias = torch.nn.Parameter(ext_bias[start:start + n], requires_grad=False)
+            start += n
+        self.extended[key] = (ext, ext_bias, out)
+        A = self._ext_A[key] = ext[out:].view(self.num_slots, len(linears) * self.max_rank, fan_in)
+        # factors loaded before (a late call): their rows move into the new block
+        if key[1] in MEMBERS and key in self.groups:
+            old, B, outs = self.groups[key]
+            A.copy_(old)
+            self.groups[key] = (A, B, outs)
+            mr = self.max_rank
+            for i, m in enumerate(MEMBERS[key[1]]):
+                self.A[(key[0], m)] = A[:, i * mr:(i + 1) * mr]
+            self.version += 1
+        elif key in self.A:
+            A.copy_(self.A[key])
+            self.A[key] = A
+            self.version += 1
+        return ext[:out], None if ext_bias is None else ext_bias[:out]
 
     def _ensure(self, key: Key) -> None:
         # allocated on first use, so the 150k-wide LM head costs memory only once an adapter targets it
@@ -62,7 +123,9 @@ class AdapterSlots:
             outs = [self.shapes[m][1] for m in members]
             mr = self.max_rank
             kw = dict(dtype=self.dtype, device=self.device)
-            A = torch.zeros(self.num_slots, len(members) * mr, fan_in, **kw)
+            A = self._ext_A.get((key[0], group))
+            if A is None:
+                A = torch.zeros(self.num_slots, len(members) * mr, fan_in, **kw)
             B = torch.zeros(self.num_slots, mr, sum(outs), **kw)
             self.groups[(key[0], group)] = (A, B, outs)
             col = 0
@@ -73,7 +136,9 @@ class AdapterSlots:
             self.version += 1
         elif key not in self.A:
             fan_in, fan_out = self.shapes[key[1]]
-            self.A[key] = torch.zeros(self.num_slots, self.max_rank, fan_in, dtype=self.dtype, device=self.device)
+            A = self._ext_A.get(key)
+            self.A[key] = A if A is not None else torch.zeros(self.num_slots, self.max_rank, fan_in, dtype=self.dtype,
+                                                              device=self.device)
             self.B[key] = torch.zeros(self.num_slots, self.max_rank, fan_out, dtype=self.dtype, device=self.device)
             self.version += 1
 
@@ -301,6 +366,33 @@ class SlotLoRA:
             h = kernel_module("lora").lora_shrink(x, A, self.kernel_slots, self.r, members=len(outs) if outs else 1,
                                                   stride=stride, segments=self.kernel_segments)
         return {"h": h, "B": B, "slot": self.kernel_slots, "rank": self.r, "splits": outs}
+
+    def extended(self, layer: int, key: str, x: torch.Tensor) -> torch.Tensor | None:
+        """A step of several tokens on the kernel path (decode), for a projection whose weight extend_weights laid
+        out with every slot's A rows: one GEMM over the whole gives the base output and every slot's codes side by
+        side, and lora_expand_codes adds each token's own slot's delta into the base columns. Returns the output
+        (a view, rows as wide as the whole) or None: not on this path (a batch of one, a long prefill, autograd,
+        DARK_LORA_EXT=0), or no adapter targets the projection (the caller runs the plain product)."""
+        if (self.kernel_slots is None or x.dim() != 2 or not 1 < x.shape[0] <= KERNEL_MAX_TOKENS
+                or torch.is_grad_enabled() or os.environ.get("DARK_LORA_EXT", "1") == "0"):
+            return None
+        ext = self.slots.extended.get((layer, key))
+        if ext is None:
+            return None
+        if key in MEMBERS:
+            entry = self.slots.groups.get((layer, key))
+            if entry is None:
+                return None
+            _, B, outs = entry
+        else:
+            B, outs = self.slots.B.get((layer, key)), None
+            if B is None:
+                return None
+        weight, bias, out = ext
+        y = F.linear(x, weight, bias)
+        return kernel_module("lora").lora_expand_codes(y[:, out:], B, self.kernel_slots, y[:, :out], self.r,
+                                                       self.slots.max_rank, splits=outs,
+                                                       segments=self.kernel_segments)
 
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         A = self.slots.A.get((layer, module))

@@ -199,6 +199,11 @@ def _project_lora(x, weight, bias, fused: bool, lora, layer: int, key: str, grou
         ep = _gemv_lora(lora, layer, key, x, group)
         if ep is not False:
             return kernel_module("gemv").gemv(x, weight, bias, lora=ep)
+    if lora is not None and fused:  # several tokens with adapters (decode): base and codes in one GEMM
+        ext = getattr(lora, "extended", None)
+        y = ext(layer, key, x) if ext is not None else None
+        if y is not None:
+            return y
     y = _project(x, weight, bias, fused)
     if lora is None:
         return y
