@@ -42,7 +42,9 @@ PROJECTIONS = [("qkv", 3584, [3584, 512, 512]), ("o", 3584, [3584]), ("gate_up",
                ("down", 18944, [3584])]
 
 
-def build(layers: int, slots: int, rank: int, tokens: int, adapters: int, with_gemm: bool, dev):
+def build(layers: int, slots: int, rank: int, tokens: int, adapters: int, with_gemm: bool, dev, slot_rank: int = 0):
+    """slot_rank: rows a member has in a slot (the engine's max_lora_rank; rows past rank are zeros)."""
+    slot_rank = slot_rank or rank
     g = torch.Generator(device=dev).manual_seed(0)
     bf = dict(dtype=torch.bfloat16, device=dev)
     lay = []
@@ -50,8 +52,11 @@ def build(layers: int, slots: int, rank: int, tokens: int, adapters: int, with_g
         per = []
         for name, k, outs in PROJECTIONS:
             n = sum(outs)
-            A = (torch.randn(slots, len(outs) * rank, k, generator=g, device=dev) * 0.02).to(torch.bfloat16)
-            B = (torch.randn(slots, rank, n, generator=g, device=dev) * 0.02).to(torch.bfloat16)
+            A = torch.zeros(slots, len(outs), slot_rank, k, device=dev, dtype=torch.bfloat16)
+            A[:, :, :rank] = (torch.randn(slots, len(outs), rank, k, generator=g, device=dev) * 0.02).to(torch.bfloat16)
+            A = A.view(slots, len(outs) * slot_rank, k)
+            B = torch.zeros(slots, slot_rank, n, device=dev, dtype=torch.bfloat16)
+            B[:, :rank] = (torch.randn(slots, rank, n, generator=g, device=dev) * 0.02).to(torch.bfloat16)
             W = (torch.randn(n, k, generator=g, device=dev) * 0.02).to(torch.bfloat16) if with_gemm else None
             per.append((name, A, B, W, outs))
         lay.append(per)
@@ -79,20 +84,22 @@ def beside(side, fn):
     return out, done
 
 
-def step_fn(mode: str, lay, xs, ys, token_slots, slots: int, rank: int, lk, side, ext=None, yext=None):
+def step_fn(mode: str, lay, xs, ys, token_slots, slots: int, rank: int, lk, side, ext=None, yext=None,
+            slot_rank: int = 0):
+    slot_rank = slot_rank or rank
     def step():
         seg = lk.lora_segments(token_slots, slots)
         for per in lay:
             for name, A, B, W, outs in per:
                 x, y = xs[name], ys[name]
-                kw = dict(splits=outs if len(outs) > 1 else None, stride=rank)
+                kw = dict(splits=outs if len(outs) > 1 else None, stride=slot_rank)
                 if mode in ("gemm", "serial"):
                     torch.matmul(x, W.t(), out=y)
                 if mode in ("lora", "serial"):
                     lk.lora_apply(x, y, A, B, token_slots, rank, segments=seg, fused=False, **kw)
                 elif mode == "side":  # the shrink beside the GEMM, the expand after both
                     h, done = beside(side, lambda: lk.lora_shrink(x, A, token_slots, rank, members=len(outs),
-                                                                  stride=rank, segments=seg))
+                                                                  stride=slot_rank, segments=seg))
                     torch.matmul(x, W.t(), out=y)
                     torch.cuda.current_stream().wait_event(done)
                     lk.lora_expand(h, B, token_slots, y, rank, splits=kw["splits"], segments=seg)
@@ -101,12 +108,13 @@ def step_fn(mode: str, lay, xs, ys, token_slots, slots: int, rank: int, lk, side
                     ye = yext[name]
                     torch.matmul(x, ext[id(W)].t(), out=ye)
                     if mode == "ext":
-                        lk.lora_expand_codes(ye[:, n:], B, token_slots, ye[:, :n], rank, rank, splits=kw["splits"],
+                        lk.lora_expand_codes(ye[:, n:], B, token_slots, ye[:, :n], rank, slot_rank, splits=kw["splits"],
                                              segments=seg)
                 elif mode in ("side_delta", "side_delta_no_add"):  # the pair beside it, into a delta buffer
                     def pair():
                         d = torch.zeros_like(y)
-                        h = lk.lora_shrink(x, A, token_slots, rank, members=len(outs), stride=rank, segments=seg)
+                        h = lk.lora_shrink(x, A, token_slots, rank, members=len(outs), stride=slot_rank,
+                                           segments=seg)
                         return lk.lora_expand(h, B, token_slots, d, rank, splits=kw["splits"], segments=seg)
                     d, done = beside(side, pair)
                     torch.matmul(x, W.t(), out=y)
@@ -162,6 +170,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--adapters", type=int, default=32)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--slot-rank", type=int, default=0, help="rows a member has in a slot (max_lora_rank); 0: --rank")
+    ap.add_argument("--slots", type=int, default=0, help="adapter slots (0: --adapters + 1)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--modes", nargs="+", default=["lora", "gemm", "serial", "side", "side_delta", "side_delta_no_add"])
     ap.add_argument("--variants", nargs="*", default=[])
@@ -171,9 +181,11 @@ def main() -> None:
 
     dev = torch.device("cuda")
     lk = kernel_module("lora")
-    slots = a.adapters + 1
+    slots = a.slots or a.adapters + 1
+    a.slot_rank = a.slot_rank or a.rank
     need_gemm = any(m != "lora" for m in a.modes)
-    lay, xs, ys, token_slots = build(a.layers, slots, a.rank, a.tokens, a.adapters, need_gemm, dev)
+    lay, xs, ys, token_slots = build(a.layers, slots, a.rank, a.tokens, a.adapters, need_gemm, dev,
+                                     a.slot_rank)
     side = torch.cuda.Stream(dev)
     ext, yext = {}, {}
     if any(m.startswith("ext") for m in a.modes):
@@ -181,11 +193,12 @@ def main() -> None:
             for name, A, B, W, outs in per:
                 ext[id(W)] = torch.cat([W, A.reshape(-1, A.shape[-1])])
         for name, k, outs in PROJECTIONS:
-            yext[name] = torch.zeros(a.tokens, sum(outs) + slots * len(outs) * a.rank, dtype=torch.bfloat16,
+            yext[name] = torch.zeros(a.tokens, sum(outs) + slots * len(outs) * a.slot_rank, dtype=torch.bfloat16,
                                      device=dev)
     fb, wb = factor_bytes(a.rank, a.adapters, a.layers), weight_bytes(a.layers)
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "tokens": a.tokens, "adapters": a.adapters, "rank": a.rank,
+              "slots": slots, "slot_rank": a.slot_rank,
               "layers": a.layers, "factor_gb": round(fb / 1e9, 3), "weight_gb": round(wb / 1e9, 3), "runs": {}}
     specs = [("default", [])] + [(s.partition("=")[0], [p.split("=", 1) for p in s.partition("=")[2].split(",") if p])
                                  for s in a.variants]
@@ -198,7 +211,7 @@ def main() -> None:
             try:
                 run = {}
                 for mode in a.modes:
-                    graph = capture(step_fn(mode, lay, xs, ys, token_slots, slots, a.rank, lk, side, ext, yext),
+                    graph = capture(step_fn(mode, lay, xs, ys, token_slots, slots, a.rank, lk, side, ext, yext, a.slot_rank),
                                     dev)
                     ms = min(replay_ms(graph, a.reps) for _ in range(3))
                     moved = {"lora": fb, "gemm": wb, "ext_gemm": wb + fb // 2}.get(mode, fb + wb)

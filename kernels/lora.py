@@ -30,6 +30,10 @@ when many blocks share the launch. Two launches per projection. Either way, insi
 tensor is the only input that changes, and a step of 64 tokens over 32 adapters reads each adapter's factors
 about once, not 64 times; long prefills keep the dense torch math (dark.lora.slots).
 
+`lora_expand_codes` is the expand alone for codes that a GEMM over a weight extended by every slot's A rows
+already computed (every slot's codes side by side in the rows of its output; the engine's multi-token decode path,
+dark.lora.slots): each block reads its own slot's codes there. Those codes are rounded to the GEMM's dtype.
+
 The products stay fp32-exact: bf16 x and A go straight into the tensor cores with fp32 accumulation (their
 products are exact in fp32); the fp32 codes meet a bf16/fp16 B as two half-precision parts (hi + lo), so the
 code is not rounded to bf16; fp32 inputs use the "ieee" dot. Under TRITON_INTERPRET (whose bf16 dot is wrong)
