@@ -304,11 +304,31 @@ def lora_expand(h, B, token_slots, y, rank: int, block_n: int | None = None, spl
     """y [T, out] += B[s_t, :rank]^T @ sum(h[t]) for tokens with a slot, each output column with the code of
     its member (splits: the members' out sizes; at most 3); returns y. tiles: column tiles of one program
     (None: from the number of blocks); block_n None: EXPAND_BLOCK_N."""
+    parts, members, br = h.shape[1], h.shape[2], h.shape[3]
+    assert len(splits or [0]) == members
+    return _expand(h, (h.stride(0), 0, h.stride(2), h.stride(1)), parts, br, B, token_slots, y, rank, splits,
+                   segments, block_n, tiles)
+
+
+def lora_expand_codes(codes, B, token_slots, y, rank: int, member_stride: int, splits=None, segments=None,
+                      block_n: int | None = None, tiles: int | None = None):
+    """lora_expand with every slot's codes given side by side: codes [T, slots * members * member_stride] (any
+    row stride, bf16 or fp32), token t's code of member m, rank row r at column s_t * members * member_stride +
+    m * member_stride + r, as one GEMM over a weight with every slot's A rows after the base rows leaves them
+    (dark.lora.slots: the engine's extended weights). y [T, out] += B[s_t, :rank]^T @ that code; returns y."""
+    members = len(splits) if splits else 1
+    assert codes.stride(1) == 1 and rank <= member_stride
+    return _expand(codes, (codes.stride(0), members * member_stride, member_stride, 0), 1,
+                   max(16, triton.next_power_of_2(rank)), B, token_slots, y, rank, splits, segments, block_n, tiles)
+
+
+def _expand(h, h_strides, parts: int, br: int, B, token_slots, y, rank: int, splits, segments, block_n, tiles):
+    """The expand launch: h_strides (token, slot, member, split) of the codes, as _expand_kernel reads them."""
     block_n = EXPAND_BLOCK_N if block_n is None else block_n
     T, N = y.shape
-    parts, members, br = h.shape[1], h.shape[2], h.shape[3]
     splits = splits or [N]
-    assert y.stride(1) == 1 and B.stride(2) == 1 and len(splits) == members <= 3 and sum(splits) == N
+    members = len(splits)
+    assert y.stride(1) == 1 and B.stride(2) == 1 and members <= 3 and sum(splits) == N
     if T == 0:
         return y
     table, rows, is_sorted = _table(token_slots, segments)
@@ -320,43 +340,11 @@ def lora_expand(h, B, token_slots, y, rank: int, block_n: int | None = None, spl
         tiles = triton.cdiv(n_tiles, max(1, EXPAND_PROGRAMS // rows))
     tiles = max(1, min(tiles, n_tiles))
     _expand_kernel[(rows, triton.cdiv(n_tiles, tiles))](h, B, table, y, N, bounds[0], bounds[1], B.stride(0),
-                                                        B.stride(1), y.stride(0), h.stride(0), 0, h.stride(2),
-                                                        h.stride(1), R=rank, BR=br, MB=mb,
-                                                        SPLITS=parts, BN=block_n, TILES=tiles, MEMBERS=members,
-                                                        BT=BLOCK_T, SORTED=is_sorted, UPCAST=_interpreted(),
-                                                        num_warps=EXPAND_WARPS, **pdl(y.device))
-    return y
-
-
-def lora_expand_codes(codes, B, token_slots, y, rank: int, member_stride: int, splits=None, segments=None,
-                      block_n: int | None = None, tiles: int | None = None):
-    """lora_expand with every slot's codes given side by side: codes [T, slots * members * member_stride] (any
-    row stride, bf16 or fp32), token t's code of member m, rank row r at column s_t * members * member_stride +
-    m * member_stride + r, as one GEMM over a weight with every slot's A rows after the base rows leaves them
-    (dark.lora.slots: the engine's extended weights). y [T, out] += B[s_t, :rank]^T @ that code; returns y."""
-    block_n = EXPAND_BLOCK_N if block_n is None else block_n
-    T, N = y.shape
-    splits = splits or [N]
-    members = len(splits)
-    assert y.stride(1) == 1 and B.stride(2) == 1 and codes.stride(1) == 1 and members <= 3 and sum(splits) == N
-    assert rank <= member_stride
-    if T == 0:
-        return y
-    table, rows, is_sorted = _table(token_slots, segments)
-    bounds = [sum(splits[:i + 1]) for i in range(members - 1)] + [N, N]
-    br = max(16, triton.next_power_of_2(rank))
-    mb = triton.next_power_of_2(members) * br
-    block_n = max(16, min(block_n, triton.next_power_of_2(N), max(64, 16384 // mb)))
-    n_tiles = triton.cdiv(N, block_n)
-    if tiles is None:
-        tiles = triton.cdiv(n_tiles, max(1, EXPAND_PROGRAMS // rows))
-    tiles = max(1, min(tiles, n_tiles))
-    _expand_kernel[(rows, triton.cdiv(n_tiles, tiles))](codes, B, table, y, N, bounds[0], bounds[1], B.stride(0),
-                                                        B.stride(1), y.stride(0), codes.stride(0),
-                                                        members * member_stride, member_stride, 0, R=rank, BR=br,
-                                                        MB=mb, SPLITS=1, BN=block_n, TILES=tiles, MEMBERS=members,
-                                                        BT=BLOCK_T, SORTED=is_sorted, UPCAST=_interpreted(),
-                                                        num_warps=EXPAND_WARPS, **pdl(y.device))
+                                                        B.stride(1), y.stride(0), *h_strides, R=rank, BR=br,
+                                                        MB=mb, SPLITS=parts, BN=block_n, TILES=tiles,
+                                                        MEMBERS=members, BT=BLOCK_T, SORTED=is_sorted,
+                                                        UPCAST=_interpreted(), num_warps=EXPAND_WARPS,
+                                                        **pdl(y.device))
     return y
 
 
