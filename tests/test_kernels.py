@@ -449,7 +449,7 @@ def test_engine_decode_over_extended_weights_matches_plain_path(tiny_models, tmp
         plain = _generate_mixed(llm, 6)
         runner.set_fast(True, graphs=False)  # every step through Python: the path is counted step by step
         if not slots.extended:  # on CUDA the engine did it as it started
-            slots.extend_weights(llm.model)
+            assert slots.extend_weights(llm.model)
         layer = llm.model.model.layers[1]
         for key, params in (("qkv", [layer.self_attn.q_proj, layer.self_attn.v_proj]), ("o_proj", [layer.self_attn.o_proj]),
                             ("gate_up", [layer.mlp.up_proj]), ("down_proj", [layer.mlp.down_proj])):
@@ -472,6 +472,24 @@ def test_engine_decode_over_extended_weights_matches_plain_path(tiny_models, tmp
     for p, f in zip(plain, fast):
         assert f.output_ids == p.output_ids
         torch.testing.assert_close(torch.tensor(f.logprobs), torch.tensor(p.logprobs), atol=1e-4, rtol=1e-4)
+
+
+def test_weights_are_not_extended_past_the_row_limit(tiny_models, tmp_path):
+    """Slots x max_lora_rank past EXTEND_MAX_ROWS: reading every slot's A rows in each step would cost more than
+    the shrink launches, so extend_weights leaves the weights where they are and the adapters keep their own A."""
+    from dark import OnlineLLM
+    from dark.lora.slots import EXTEND_MAX_ROWS
+
+    llm = OnlineLLM(str(tiny_models["qwen2"]), data_dir=tmp_path / "data", device=DEV, dtype="float32",
+                    max_adapter_slots=EXTEND_MAX_ROWS // 64 + 1, max_lora_rank=64)
+    try:
+        slots = llm.engine.adapters.slots
+        attn = llm.model.model.layers[0].self_attn
+        before = attn.q_proj.weight.data_ptr(), attn.o_proj.weight.data_ptr()
+        assert not slots.extend_weights(llm.model)
+        assert not slots.extended and (attn.q_proj.weight.data_ptr(), attn.o_proj.weight.data_ptr()) == before
+    finally:
+        llm.close()
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])

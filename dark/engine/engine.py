@@ -41,9 +41,12 @@ class Engine:
                              self.dtype, self.device)
         self.adapters = AdapterManager(AdapterSlots(mc, config.max_adapter_slots, config.max_lora_rank,
                                                     self.device, self.dtype))
-        if self.adapters.slots.use_kernels and hasattr(model.model, "layers"):
-            # every slot's A rows beside the projections' weights: a decode step's codes come out of its GEMMs
-            self.adapters.slots.extend_weights(model)
+        slots = self.adapters.slots
+        if slots.use_kernels and hasattr(model.model, "layers") and not slots.extend_weights(model):
+            # every slot's A rows beside the projections' weights (a decode step's codes out of its GEMMs) only
+            # while reading them all costs less than the shrink launches
+            log.info("%d adapter slots x max_lora_rank %d: steps of several tokens keep a shrink launch per "
+                     "projection", slots.num_slots, slots.max_rank)
         self.adapters.on_loaded = self._poke  # a version reached the device: a waiting request can take its slot
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, self.adapters, config.max_num_seqs, config.max_num_batched_tokens)

@@ -36,6 +36,10 @@ Staged = dict[Key, tuple[torch.Tensor, torch.Tensor]]
 # past this (long prefills), the dense torch math: cuBLAS GEMMs over the active adapters; up to it the kernels,
 # which read each adapter once per 16 of its tokens (the decode graphs go up to 256 sequences)
 KERNEL_MAX_TOKENS = 256
+# extend_weights lays the weights out only up to this many A rows a member (slots x max_lora_rank): every step of
+# several tokens with adapters reads all of them, in use or not. H200, 7B (bench/RESULTS.md, 2026-12-04): 528 rows
+# add ~0.23 ms to the GEMMs and save the ~0.94 ms of shrink launches, so the two meet near 2,000 rows
+EXTEND_MAX_ROWS = 1536
 # projections that share their input and run as one GEMM in the decoder (CausalLM.fuse_projections)
 GROUPS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 MEMBERS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
@@ -66,7 +70,7 @@ class AdapterSlots:
         self.extended: dict[Key, tuple[torch.Tensor, torch.Tensor | None, int]] = {}
         self._ext_A: dict[Key, torch.Tensor] = {}
 
-    def extend_weights(self, model) -> None:
+    def extend_weights(self, model) -> bool:
         """Lay each layer's q/k/v, o_proj, gate/up and down_proj weight out again with room for every slot's A rows
         after the projection's own (zeros until an adapter loads), the model's parameters becoming views of the
         base rows: base-only products, the batch-1 GEMVs and training read those rows as before (the same
@@ -74,7 +78,10 @@ class AdapterSlots:
         gives every slot's codes with the base output: no shrink launch, the A bytes read by cuBLAS in the same
         pass (SlotLoRA.extended). The A rows are allocated here rather than on first load: the weights must not
         move once CUDA graphs have captured them. Call before anything captures the weights (the engine does, as
-        it starts); factors already loaded move into the new rows."""
+        it starts); factors already loaded move into the new rows. Returns whether it did: not past
+        EXTEND_MAX_ROWS rows a member (slots x max_lora_rank), where the shrink launches cost less."""
+        if self.num_slots * self.max_rank > EXTEND_MAX_ROWS:
+            return False
         with torch.no_grad():
             for layer, block in enumerate(model.model.layers):
                 a, m = block.self_attn, block.mlp
@@ -85,6 +92,7 @@ class AdapterSlots:
                 for lin in (a.o_proj, m.down_proj):
                     self._extend((layer, lin.name), [lin], lin.weight.data,
                                  None if lin.bias is None else lin.bias.data)
+        return True
 
     def _extend(self, key: Key, linears, weight: torch.Tensor, bias: torch.Tensor | None):
         out, fan_in = weight.shape
