@@ -175,7 +175,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--modes", nargs="+", default=["lora", "gemm", "serial", "side", "side_delta", "side_delta_no_add"])
     ap.add_argument("--variants", nargs="*", default=[])
-    ap.add_argument("--profile", action="store_true", help="kernel sums for the default settings' modes")
+    ap.add_argument("--profile", action="store_true", help="kernel sums for every mode and variant")
     a = ap.parse_args()
     from dark.models.decoder import kernel_module
 
@@ -216,7 +216,7 @@ def main() -> None:
                     ms = min(replay_ms(graph, a.reps) for _ in range(3))
                     moved = {"lora": fb, "gemm": wb, "ext_gemm": wb + fb // 2}.get(mode, fb + wb)
                     run[mode] = {"ms": round(ms, 3), "tb_s": round(moved / ms / 1e9, 2)}
-                    if a.profile and name == "default":
+                    if a.profile:
                         run[mode]["kernels"] = kernel_sums(graph)
                     del graph
                 report["runs"][name] = run
