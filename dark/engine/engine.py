@@ -42,7 +42,7 @@ class Engine:
         self.adapters = AdapterManager(AdapterSlots(mc, config.max_adapter_slots, config.max_lora_rank,
                                                     self.device, self.dtype))
         slots = self.adapters.slots
-        if slots.use_kernels and hasattr(model.model, "layers") and not slots.extend_weights(model):
+        if slots.use_kernels and not slots.extend_weights(model):
             # every slot's A rows beside the projections' weights (a decode step's codes out of its GEMMs) only
             # while reading them all costs less than the shrink launches
             log.info("%d adapter slots x max_lora_rank %d: steps of several tokens keep a shrink launch per "

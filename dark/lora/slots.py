@@ -26,7 +26,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ..models.decoder import ModelConfig, kernel_module
+from ..models.decoder import ModelConfig, fuse_linears, kernel_module
 from .weights import AdapterWeights, Key
 
 # an adapter version's factors on the device, in the slots' layout and precision (AdapterSlots.stage)
@@ -86,48 +86,42 @@ class AdapterSlots:
             for layer, block in enumerate(model.model.layers):
                 a, m = block.self_attn, block.mlp
                 if a.qkv is not None:
-                    a.qkv = self._extend((layer, "qkv"), [a.q_proj, a.k_proj, a.v_proj], *a.qkv)
+                    a.qkv = self._extend((layer, "qkv"), [a.q_proj, a.k_proj, a.v_proj])
                 if m.gate_up is not None:
-                    m.gate_up = self._extend((layer, "gate_up"), [m.gate_proj, m.up_proj], *m.gate_up)
+                    m.gate_up = self._extend((layer, "gate_up"), [m.gate_proj, m.up_proj])
                 for lin in (a.o_proj, m.down_proj):
-                    self._extend((layer, lin.name), [lin], lin.weight.data,
-                                 None if lin.bias is None else lin.bias.data)
+                    self._extend((layer, lin.name), [lin])
         return True
 
-    def _extend(self, key: Key, linears, weight: torch.Tensor, bias: torch.Tensor | None):
-        out, fan_in = weight.shape
-        assert weight.dtype == self.dtype and weight.is_contiguous()
-        rows = self.num_slots * len(linears) * self.max_rank
-        ext = torch.empty(out + rows, fan_in, dtype=weight.dtype, device=weight.device)
-        ext[:out].copy_(weight)
-        ext[out:].zero_()
-        ext_bias = None
-        if bias is not None:
-            ext_bias = torch.zeros(out + rows, dtype=bias.dtype, device=bias.device)
-            ext_bias[:out].copy_(bias)
-        start = 0
-        for lin in linears:  # the old weight is freed once nothing holds it
-            n = lin.weight.shape[0]
-            lin.weight = torch.nn.Parameter(ext[start:start + n], requires_grad=False)
-            if ext_bias is not None:
-                lin.bias = torch.nn.Parameter(ext_bias[start:start + n], requires_grad=False)
-            start += n
+    def _extend(self, key: Key, linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The projections' weight (and bias) again with every slot's A rows after theirs (fuse_linears: the old
+        weight is freed once nothing holds it); returns the views of their own rows."""
+        assert all(lin.weight.dtype == self.dtype for lin in linears)
+        out = sum(lin.weight.shape[0] for lin in linears)
+        ext, ext_bias = fuse_linears(linears, self.num_slots * len(linears) * self.max_rank)
         self.extended[key] = (ext, ext_bias, out)
-        A = self._ext_A[key] = ext[out:].view(self.num_slots, len(linears) * self.max_rank, fan_in)
+        A = self._ext_A[key] = ext[out:].view(self.num_slots, len(linears) * self.max_rank, ext.shape[1])
         # factors loaded before (a late call): their rows move into the new block
         if key[1] in MEMBERS and key in self.groups:
             old, B, outs = self.groups[key]
             A.copy_(old)
-            self.groups[key] = (A, B, outs)
-            mr = self.max_rank
-            for i, m in enumerate(MEMBERS[key[1]]):
-                self.A[(key[0], m)] = A[:, i * mr:(i + 1) * mr]
-            self.version += 1
+            self._register_group(key, A, B, outs)
         elif key in self.A:
             A.copy_(self.A[key])
             self.A[key] = A
             self.version += 1
         return ext[:out], None if ext_bias is None else ext_bias[:out]
+
+    def _register_group(self, key: Key, A: torch.Tensor, B: torch.Tensor, outs: list[int]) -> None:
+        """A fused group's factors (A [slots, members * max_rank, in], B [slots, max_rank, sum of outs]) and each
+        member's views of its part."""
+        self.groups[key] = (A, B, outs)
+        mr, col = self.max_rank, 0
+        for i, (m, n) in enumerate(zip(MEMBERS[key[1]], outs)):
+            self.A[(key[0], m)] = A[:, i * mr:(i + 1) * mr]
+            self.B[(key[0], m)] = B[:, :, col:col + n]
+            col += n
+        self.version += 1
 
     def _ensure(self, key: Key) -> None:
         # allocated on first use, so the 150k-wide LM head costs memory only once an adapter targets it
@@ -141,14 +135,7 @@ class AdapterSlots:
             A = self._ext_A.get((key[0], group))
             if A is None:
                 A = torch.zeros(self.num_slots, len(members) * mr, fan_in, **kw)
-            B = torch.zeros(self.num_slots, mr, sum(outs), **kw)
-            self.groups[(key[0], group)] = (A, B, outs)
-            col = 0
-            for i, (m, n) in enumerate(zip(members, outs)):
-                self.A[(key[0], m)] = A[:, i * mr:(i + 1) * mr]
-                self.B[(key[0], m)] = B[:, :, col:col + n]
-                col += n
-            self.version += 1
+            self._register_group((key[0], group), A, torch.zeros(self.num_slots, mr, sum(outs), **kw), outs)
         elif key not in self.A:
             fan_in, fan_out = self.shapes[key[1]]
             A = self._ext_A.get(key)

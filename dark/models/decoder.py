@@ -128,11 +128,19 @@ class LoRA(Protocol):
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
 
 
-def fuse_linears(linears: list["Linear"]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def fuse_linears(linears: list["Linear"], extra_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) holding the given projections' rows back to back; each projection's parameter
-    becomes a view of its rows, so one GEMM computes them all and nothing is stored twice."""
-    weight = torch.cat([m.weight.data for m in linears])
-    bias = torch.cat([m.bias.data for m in linears]) if linears[0].bias is not None else None
+    becomes a view of its rows, so one GEMM computes them all and nothing is stored twice. extra_rows: zero rows
+    after theirs (dark.lora.slots.AdapterSlots.extend_weights puts every adapter slot's A there)."""
+    def stacked(parts: list[torch.Tensor]) -> torch.Tensor:
+        n = sum(p.shape[0] for p in parts)
+        whole = parts[0].new_empty((n + extra_rows, *parts[0].shape[1:]))
+        torch.cat(parts, out=whole[:n])
+        whole[n:].zero_()
+        return whole
+
+    weight = stacked([m.weight.data for m in linears])
+    bias = stacked([m.bias.data for m in linears]) if linears[0].bias is not None else None
     start = 0
     for m in linears:
         n = m.weight.shape[0]
