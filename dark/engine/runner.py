@@ -221,7 +221,11 @@ class ModelRunner:
         width = max(len(seq.block_table) for seq in seqs)
         if prev_rows is not None:
             meta[_PREV, :b] = prev_rows
-        self._meta_dev[:, :rows].copy_(host.meta[:, :rows], non_blocking=True)
+        # the whole of meta (6 x the buffers' rows, 12 KB at 256), not its first `rows` columns: such a slice is not
+        # contiguous, and torch would copy it through a pageable staging tensor and a kernel (bench/probe_step_gaps.py;
+        # the step's time did not move with it on the H200 at batch 1: the copies' latency, not their work, is what
+        # lies between two graphs)
+        self._meta_dev.copy_(host.meta, non_blocking=True)
         self._bt_dev[:rows, :width].copy_(host.bt[:rows, :width], non_blocking=True)
         host.copied()
         if prev is not None and prev_rows is None:
