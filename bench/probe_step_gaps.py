@@ -31,15 +31,14 @@ def timeline(prof) -> list[dict]:
     for e in prof.events():
         if e.device_type.name != "CUDA":
             continue
-        start = e.time_range.start
-        out.append({"name": e.name, "ts": start, "end": e.time_range.end})
+        out.append({"name": e.name, "ts": e.time_range.start, "end": e.time_range.end})
     return sorted(out, key=lambda e: e["ts"])
 
 
 def gaps_of(events: list[dict], steps: int, min_us: float = 1.0) -> dict:
-    """The device's idle gaps over the run's decode steps: the span from the first event to the last, the busy
-    time (union of events), and every gap of at least min_us between two events, summed by the pair of names
-    around it (the largest first), per step."""
+    """The device's idle gaps over the profiled generation (its prefill included, a few steps' worth of the 96): the
+    span from the first event to the last, the busy time (union of events), and every gap of at least min_us between
+    two events, summed by the pair of names around it (the largest first); each divided by `steps`."""
     busy, end, gaps = 0.0, events[0]["ts"], collections.Counter()
     count = collections.Counter()
     prev = events[0]
@@ -110,7 +109,8 @@ def main() -> None:
         warnings.showwarning = old
     syncs = [{"count": n, "what": k[0], "stack": list(k[1])} for k, n in seen.most_common(10)]
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
-              "tokens": a.tokens, "wall_s_unprofiled": round(wall, 4), "ms_a_token_unprofiled": round(1000 * wall / a.tokens, 3),
+              "tokens": a.tokens, "wall_s_unprofiled": round(wall, 4),
+              "ms_a_token_unprofiled": round(1000 * wall / a.tokens, 3),
               **gaps_of(events, a.tokens),
               "syncs": syncs}
     llm.close()
