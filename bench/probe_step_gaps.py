@@ -36,7 +36,7 @@ def timeline(prof) -> list[dict]:
 
 
 def gaps_of(events: list[dict], steps: int, min_us: float = 1.0) -> dict:
-    """The device's idle gaps over the profiled generation (its prefill included, a few steps' worth of the 96): the
+    """The device's idle gaps over the profiled generation (its prefill included: a few steps' worth): the
     span from the first event to the last, the busy time (union of events), and every gap of at least min_us between
     two events, summed by the pair of names around it (the largest first); each divided by `steps`."""
     busy, end, gaps = 0.0, events[0]["ts"], collections.Counter()
