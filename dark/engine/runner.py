@@ -1,7 +1,8 @@
 """Runs one scheduled step through the model: flat batch in, one sampled token per finished prefill/decode out.
 
 On CUDA, a step that only decodes (one new token per sequence) takes the fast path: its inputs go into fixed
-device buffers with one host-to-device copy, attention reads the paged cache through the Triton kernel, LoRA
+device buffers from pinned host ones (the block tables only when one changed; a greedy graph writes its tokens where
+the step after it reads its inputs), attention reads the paged cache through the Triton kernel, LoRA
 runs through the per-token slot kernels, and the whole forward (LM head included) is replayed from a CUDA
 graph captured once per batch-size bucket, with or without adapters. When nothing waits to join, the step
 after it is launched on the sampled tokens still on the device before they are read back (the engine's host
@@ -49,6 +50,7 @@ class ModelRunner:
         self.lookahead = "never" if os.environ.get("DARK_DECODE_AHEAD", "1") == "0" else "graphs"
         self.ahead_launched = self.ahead_used = 0  # decode steps launched early, and those the engine then took
         self.ahead_narrowed = 0  # of those launched, the ones without the sequences that the step before ended
+        self.tables_skipped = 0  # fast steps whose block tables were already on the device (no copy)
         self.set_fast(kernel_module().available(self.device))
 
     def set_fast(self, on: bool, graphs: bool | None = None) -> None:
@@ -133,15 +135,16 @@ class ModelRunner:
         # in the model's dtype, as the LM head makes them; the sampled rows widen to fp32 when they are read
         self._logits = torch.empty(rows, self.model.config.vocab_size, dtype=self.model.lm_head.weight.dtype,
                                    device=self.device)
-        self._greedy = torch.zeros(rows, dtype=torch.int64, device=self.device)  # a greedy graph's tokens
+        # per row of the device's block table: (the block table list, its length) that was last copied there
+        self._bt_dev_rows: list = [None] * rows
         self._buffers_for = rows
 
     def _forward_decode(self, rows: int, with_lora: bool, greedy: bool = False) -> torch.Tensor:
         """The captured region: logits [rows, vocab] from the decode buffers' first `rows` entries, written into
         the first rows of one buffer that every graph shares (a graph's own output would stay allocated for as
         long as the graph lives: ~0.5 GB over the batch-size buckets of a 152k vocabulary). greedy: the step's
-        tokens too, each row's argmax into the shared token buffer (no fp32 copy of the logits, no launches
-        after the graph)."""
+        tokens too, each row's argmax written over the rows' token ids in the decode meta (no fp32 copy of the logits,
+        no launches after the graph; the step after, launched on them, copies no ids: they are its inputs already)."""
         meta = self._meta_dev[:, :rows]
         attn = PagedDecodeAttention(self.cache, meta[_SLOT], self._bt_dev[:rows], meta[_CTX])
         lora = SlotLoRA.with_kernels(self.slots, meta[_LORA]) if with_lora else None
@@ -150,7 +153,7 @@ class ModelRunner:
             out = self._logits[:rows]
             out.copy_(self.model.lm_head(hidden, lora))
             if greedy:
-                torch.argmax(out, dim=-1, out=self._greedy[:rows])
+                torch.argmax(out, dim=-1, out=self._meta_dev[_IDS, :rows])
         return out
 
     def _run_decode(self, batch: list[tuple[Sequence, int]], ahead: bool) -> dict[int, tuple[int, float | None]]:
@@ -210,35 +213,50 @@ class ModelRunner:
         meta[_SLOT, :b] = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, pos)]
         meta[_CTX, :b] = [p + 1 for p in pos]
         meta[_LORA, :b] = [seq.slot for seq in seqs]
-        written = host.bt_rows
-        for i, seq in enumerate(seqs):
-            # a table only grows in place, or is replaced by a new list when its blocks are freed: the same
-            # list at the same length is the same row, already in the buffer (most rows of most steps)
-            table = seq.block_table
-            if written[i] is None or written[i][0] is not table or written[i][1] != len(table):
-                bt[i, :len(table)] = table
-                written[i] = (table, len(table))
-        width = max(len(seq.block_table) for seq in seqs)
         if prev_rows is not None:
             meta[_PREV, :b] = prev_rows
-        # the whole of meta (6 x the buffers' rows, 12 KB at 256), not its first `rows` columns: such a slice is not
-        # contiguous, and torch would copy it through a pageable staging tensor and a kernel (bench/probe_step_gaps.py;
-        # the step's time did not move with it on the H200 at batch 1: the copies' latency, not their work, is what
-        # lies between two graphs)
-        self._meta_dev.copy_(host.meta, non_blocking=True)
-        self._bt_dev[:rows, :width].copy_(host.bt[:rows, :width], non_blocking=True)
+        # prev's tokens where this step reads its ids (a greedy graph writes them there): the ids' row is not copied
+        # (unless the buffers were made anew since prev)
+        in_place = (prev is not None and prev.ids_in_meta
+                    and prev.tokens.untyped_storage().data_ptr() == self._meta_dev.untyped_storage().data_ptr())
+        # the whole of meta (6 x the buffers' rows, 12 KB at 256) or all of it but the ids, not its first `rows`
+        # columns: such a slice is not contiguous, and torch would copy it through a pageable staging tensor and a
+        # kernel (bench/probe_step_gaps.py)
+        if in_place:
+            self._meta_dev[_IDS + 1:].copy_(host.meta[_IDS + 1:], non_blocking=True)
+        else:
+            self._meta_dev.copy_(host.meta, non_blocking=True)
+        # the block tables only when a row differs from what the device holds (a table grows by a block every
+        # block_size tokens; most steps copy none). A table only grows in place, or is replaced by a new list when
+        # its blocks are freed: the same list at the same length is the same row
+        written, on_dev, stale = host.bt_rows, self._bt_dev_rows, False
+        for i, seq in enumerate(seqs):
+            if not _holds(written[i], seq.block_table):
+                bt[i, :len(seq.block_table)] = seq.block_table
+                written[i] = (seq.block_table, len(seq.block_table))
+            stale = stale or not _holds(on_dev[i], seq.block_table)
+        if stale:
+            width = max(len(seq.block_table) for seq in seqs)
+            self._bt_dev[:rows, :width].copy_(host.bt[:rows, :width], non_blocking=True)
+            on_dev[:b] = written[:b]
+            on_dev[b:rows] = [None] * (rows - b)  # padded rows: whatever the host buffer held, perhaps cut at width
+        else:
+            self.tables_skipped += 1
         host.copied()
         if prev is not None and prev_rows is None:
-            self._meta_dev[_IDS, :b].copy_(prev.tokens)
+            if not in_place:
+                self._meta_dev[_IDS, :b].copy_(prev.tokens)
         elif prev is not None:  # through the pinned copy: a list made into an index would wait for the device
-            torch.index_select(prev.tokens, 0, self._meta_dev[_PREV, :b], out=self._meta_dev[_IDS, :b])
+            # into a new tensor first: prev's tokens may be the very row written
+            picked = torch.index_select(prev.tokens, 0, self._meta_dev[_PREV, :b])
+            self._meta_dev[_IDS, :b].copy_(picked)
         with_lora = any(seq.slot >= 0 for seq in seqs)
         if rows in GRAPH_BUCKETS and self.use_graphs:
             # greedy rows only, no log-probabilities: the graph picks the tokens itself
             greedy = all(seq.params.temperature == 0 and not seq.params.logprobs for seq in seqs)
             logits = self._replay(rows, with_lora, greedy)
             if greedy:
-                return _Step(seqs, pos, self.slots.version, self._greedy[:b], None, host)
+                return _Step(seqs, pos, self.slots.version, self._meta_dev[_IDS, :b], None, host, ids_in_meta=True)
         else:
             logits = self._forward_decode(rows, with_lora)
         tokens, logprobs = sample_on_device(logits[:b], seqs)
@@ -253,8 +271,11 @@ class ModelRunner:
         entry = self._graphs.get(key)
         if entry is None:
             # warm-up outside the graph (Triton compiles, cuBLAS picks its kernels); it stores the same keys
-            # and values that the replay below stores again
+            # and values that the replay below stores again. A greedy one writes its tokens over the ids: they
+            # are put back for the replay
+            ids = self._meta_dev[_IDS, :rows].clone()
             self._forward_decode(rows, with_lora, greedy)
+            self._meta_dev[_IDS, :rows].copy_(ids)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
@@ -269,6 +290,11 @@ class ModelRunner:
         self._replay_stream = stream
         graph.replay()
         return out
+
+
+def _holds(row, table: list[int]) -> bool:
+    """Whether a buffer row recorded as `row` ((block table list, its length) last put there) holds `table`."""
+    return row is not None and row[0] is table and row[1] == len(table)
 
 
 class _HostSide:
@@ -295,11 +321,12 @@ class _Step:
     """A launched decode step: what it computed (sequences, their positions, block tables and adapter slots, the
     adapters' version) and its sampled tokens, on their way to the pinned buffers of the host side it used."""
 
-    def __init__(self, seqs, pos, version, tokens, logprobs, host: _HostSide):
+    def __init__(self, seqs, pos, version, tokens, logprobs, host: _HostSide, ids_in_meta: bool = False):
         self.seqs, self.pos, self.version = seqs, pos, version
         self.tables = [seq.block_table for seq in seqs]
         self.slots = [seq.slot for seq in seqs]
         self.tokens = tokens  # on the device: the inputs of a step launched after this one
+        self.ids_in_meta = ids_in_meta  # tokens is the decode meta's ids row, which the next graph reads
         b = len(seqs)
         pin = host.event is not None
         self._tokens = host.tokens[:b]
