@@ -97,6 +97,17 @@ def _chunk_logprobs(model: CausalLM, hidden: torch.Tensor, targets: torch.Tensor
     return chosen, logits.detach().max(-1).values - lse.detach()
 
 
+def on_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host list as a device tensor, without waiting for the device: torch.tensor(list, device=cuda) copies from
+    pageable memory and then waits for all the work queued on the stream before it (the device drains once per
+    call). Here the list goes through pinned memory in a copy queued on the stream (the pinned block is not handed
+    out again before that copy is done)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def opening(r: Rendered, tokens: int, beside: Rendered | None = None) -> Rendered:
     """The first `tokens` tokens of a rendered reply (tokens = -1: all of it), counted from its first token with a
     loss, or, beside another reply to the same conversation, from the first token where the two differ: what
@@ -261,8 +272,14 @@ class Staging:
         self.pin = pin
         self._event = None  # a copy into or out of the buffer that may still be running (used_until)
 
-    def get(self, n: int) -> torch.Tensor:
-        """The buffer's first n values, once the last copy that used it (used_until) is done."""
+    def get(self, n: int, queued: bool = False) -> torch.Tensor:
+        """The buffer's first n values, once the last copy that used it (used_until) is done. queued (CUDA): the
+        caller only queues copies into or out of the buffer on the current stream, so that stream waits for the
+        last copy instead of the host (a host wait here drains the device: the last copy is often the newest work
+        queued)."""
+        if queued and self._event is not None and self.buf is not None and self.buf.numel() >= n:
+            torch.cuda.current_stream().wait_event(self._event)
+            return self.buf[:n]
         self.wait()
         if self.buf is None or self.buf.numel() < n:
             self.buf = None
@@ -361,7 +378,9 @@ class ParkedMoments:
             return
         tensors = [opt.state[p][n] for p, n in where]
         flat = torch.cat([t.reshape(-1) for t in tensors])  # on the device, in the step's stream order
-        host = self.staging.get(flat.numel())
+        # the last copy through the buffer is back()'s of this step, queued on this stream: the copy out queues
+        # after it (copy_stream waits for this stream), so neither waits on the host
+        host = self.staging.get(flat.numel(), queued=copy_stream is not None)
         if copy_stream is not None:
             copy_stream.wait_stream(torch.cuda.current_stream(flat.device))
             with torch.cuda.stream(copy_stream):
@@ -377,7 +396,8 @@ class ParkedMoments:
     def back(self, opt: torch.optim.Optimizer) -> None:
         if not self.where:
             return
-        host = self.staging.get(sum(t.numel() for t in self.like))
+        # the last copy through the buffer is out()'s, on its copy stream: this stream waits for it, not the host
+        host = self.staging.get(sum(t.numel() for t in self.like), queued=self.where[0][0].is_cuda)
         for (p, n), v in zip(self.where, _staged_to_device(host, self.like, self.where[0][0].device, self.staging)):
             opt.state[p][n] = v
         self.where, self.like = [], []
@@ -556,7 +576,7 @@ class Trainer:
         # a checkpointed layer picks its stream as it runs, in the first pass and again in backward (its recompute
         # and backward): requests that arrive mid-step move the rest of the step to the shared stream within a layer
         layer_context = self._step_stream if remat and self.stream is not None else None
-        hidden = self.model.hidden_states(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), attn, lora,
+        hidden = self.model.hidden_states(on_device(ids, dev), on_device(pos, dev), attn, lora,
                                           checkpoint=remat, saved=saved, layer_context=layer_context,
                                           loan=self._loan if remat and kv_loan else None)
         return hidden, p, n, remat
@@ -571,7 +591,7 @@ class Trainer:
                     targets.append(lab[t + 1])
                     owner.append(b)
         dev = self.device
-        return torch.tensor(rows, device=dev), torch.tensor(targets, device=dev), torch.tensor(owner, device=dev)
+        return on_device(rows, dev), on_device(targets, dev), on_device(owner, dev)
 
     def _token_logprobs(self, rendered: list[Rendered], lora, cfg: LearnConfig | None = None, full_from: int | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -849,8 +869,8 @@ class Trainer:
         while True:
             if self._loan is not None and self.kv_lender.wanted():
                 self._return_loan()  # serving ran short of blocks: the rest of the job checkpoints
-            # each step on the stream of the moment (serving busy or not); the previous step ended in a host
-            # sync (its loss), so its work is done whichever stream this one takes
+            # each step on the stream of the moment (serving busy or not); a step that moves waits for the stream
+            # it leaves (_step_stream), so the previous step's update is done before this one's passes read it
             with self._step_stream():
                 # every check describes the weights as they are now, before this step's update: stop with them
                 resting = {id(i) for i in held}
@@ -869,7 +889,7 @@ class Trainer:
                     # alone) runs without gradients: no layer kept or recomputed for a backward that never runs
                     if not final:
                         opt.zero_grad(set_to_none=True)
-                    loss_total, verified, kept = 0.0, 0.0, True
+                    loss_total, worst, kept = None, None, None
                     with torch.no_grad() if final else nullcontext():
                         for g, group in enumerate(groups):
                             last = g == len(groups) - 1
@@ -879,17 +899,24 @@ class Trainer:
                                     sft_weight=len(group) / max(1, len(batch)))
                                 if not final:
                                     loss_g.backward()
-                            loss_total = loss_total + loss_g.detach()
-                            verified, kept = max(verified, worst_g), kept and kept_g
+                            if loss_total is None:
+                                loss_total, worst, kept = loss_g.detach(), worst_g, kept_g
+                            else:
+                                loss_total = loss_total + loss_g.detach()
+                                worst, kept = torch.maximum(worst, worst_g), kept & kept_g
                     backward_done = not final
                 else:
-                    loss_total, verified, kept = self._sft_and_anchor_losses(batch, anchors, lora, cfg)
-                verified = verified <= threshold
+                    loss_total, worst, kept = self._sft_and_anchor_losses(batch, anchors, lora, cfg)
+                forgotten = True
                 if prefs:
                     with torch.no_grad() if final else nullcontext():
                         pref, forgotten = self._pref_loss(prefs, lora, cfg)
                     loss_total = loss_total + cfg.dpo_weight * pref
-                    verified = verified and forgotten
+                # the step's one wait for the device: what its passes found, read in one copy (the loss for the
+                # record, the check that decides whether the job stops before this step's update)
+                loss_v, worst_v, kept_v = torch.stack([loss_total.detach().float(), worst.float(), kept.float()]).tolist()
+                verified = worst_v <= threshold and forgotten
+                kept = kept_v > 0.5
                 slipped = []
                 if held and not low_precision and not held_in_pass and verified and kept and step >= cfg.min_steps:
                     # the trained items verify: the replays that did not train are checked on the same weights,
@@ -900,7 +927,7 @@ class Trainer:
                     verified = verified and not slipped
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("step %d loss %.4f verified %s anchors kept %s replays slipped %d of %d held", step,
-                              loss_total.item(), verified, kept, len(slipped), len(held))
+                              loss_v, verified, kept, len(slipped), len(held))
                 if verified and (batch or held) and step >= cfg.min_steps and low_precision:
                     # training ran under bf16 autocast: confirm in the precision that serves before stopping, every
                     # checked item (the trained ones and the held replays)
@@ -927,6 +954,7 @@ class Trainer:
                                 group, [], lora, cfg, sft_weight=len(group) / (len(batch) or len(slipped)))
                             loss_s.backward()
                         loss_total = loss_total + loss_s.detach()
+                        loss_v = None  # read at the step's end: the slipped replays' loss is part of it
                 step_items.append(len(batch) + len(slipped))
                 with self._step_stream():  # picked now, as the loss's: requests may have come since the step began
                     torch.nn.utils.clip_grad_norm_(flat, cfg.max_grad_norm)
@@ -948,7 +976,7 @@ class Trainer:
                             self._project(protector, list(params), a_factors, before, cfg)
                         del before
                 step += 1
-                losses.append(round(loss_total.item(), 5))
+                losses.append(round(loss_total.item() if loss_v is None else loss_v, 5))
                 if park is not None and step < cfg.max_steps:  # another step may follow: its passes run without them
                     park.out(opt, flat, self._park_stream())
                 if on_step:
@@ -1012,7 +1040,7 @@ class Trainer:
         reply misses (_failing), and whether every anchor's greedy choices are unchanged."""
         with torch.no_grad(), torch.autocast("cpu", enabled=False):
             _, _, kept = self._sft_and_anchor_losses([], anchors, lora, cfg)
-            return self._failing(checked, lora, cfg, threshold), kept
+            return self._failing(checked, lora, cfg, threshold), bool(kept)
 
     def _failing(self, items: list[Item], lora, cfg: LearnConfig, threshold: float) -> list[Item]:
         """The items whose taught reply is not the greedy answer with margin on the current weights (some taught
@@ -1071,27 +1099,32 @@ class Trainer:
         """One forward pass over the taught items and the anchors (they share the template's prefix).
 
         Returns (loss, the worst negative log-probability of a taught token among the items checked for
-        verification (0 when none), whether every anchor's greedy choices are unchanged). sft_weight scales the
-        taught items' mean (a part of a batch weighs its share of the batch's examples).
+        verification (0 when none), whether every anchor's greedy choices are unchanged), all three on the device:
+        nothing here waits for it (the caller reads them in one copy). sft_weight scales the taught items' mean (a
+        part of a batch weighs its share of the batch's examples).
         """
+        dev = self.device
+        worst, kept = torch.zeros((), device=dev), torch.ones((), dtype=torch.bool, device=dev)
         if not batch and not anchors:
-            return torch.zeros((), device=self.device), 0.0, True
+            return torch.zeros((), device=dev), worst, kept
         chosen, owner, _, a_logp = self._joint_logprobs([i.rendered for i in batch], [a.rendered for a in anchors], lora, cfg)
-        loss, worst, kept = torch.zeros((), device=self.device), 0.0, True
+        loss = torch.zeros((), device=dev)
         nb = len(batch)
-        taught = owner < nb
-        if nb:
-            nll, who = -chosen[taught], owner[taught]
+        # the taught rows come first (sequence order), as many as the items' labelled tokens: a slice, where a
+        # boolean mask would wait for the device to learn its size
+        taught = sum(label != -100 for i in batch for label in i.rendered.labels[1:])
+        if nb and taught:
+            nll, who = -chosen[:taught], owner[:taught]
             # each example counts the same, whatever its length
-            count = torch.zeros(nb, device=self.device).index_add(0, who, torch.ones_like(nll))
-            loss = sft_weight * (torch.zeros(nb, device=self.device).index_add(0, who, nll) / count.clamp(min=1)).mean()
-            checked = torch.tensor([i.verify for i in batch], device=self.device)[who]
-            if bool(checked.any()):
-                worst = nll.detach()[checked].max().item()
+            count = torch.zeros(nb, device=dev).index_add(0, who, torch.ones_like(nll))
+            loss = sft_weight * (torch.zeros(nb, device=dev).index_add(0, who, nll) / count.clamp(min=1)).mean()
+            checked = on_device([i.verify for i in batch], dev)[who]
+            # a log-probability is <= 0: the rows not checked count as 0, which is the answer when none is checked
+            worst = torch.where(checked, nll.detach(), 0.0).amax().clamp(min=0)
         if anchors:
-            a_chosen = chosen[~taught]  # a_logp: the anchors' rows, in the same order
+            a_chosen = chosen[taught:]  # a_logp: the anchors' rows, in the same order
             ref = torch.cat([a.ref for a in anchors])
-            kept = bool((a_logp.argmax(-1) == ref.argmax(-1)).all())
+            kept = (a_logp.argmax(-1) == ref.argmax(-1)).all()
             # "replay" (cross-entropy on the adapter-free model's own answers) has a gradient where the adapter
             # starts, unlike KL, so it holds near-ties from the first step instead of repairing them later
             anchor = -a_chosen.mean() if cfg.anchor_loss == "replay" else \
