@@ -160,7 +160,8 @@ class Run:
             self.args.json.parent.mkdir(parents=True, exist_ok=True)
             self.args.json.write_text(json.dumps(self.latest(), indent=1, default=str))
             (self.args.json.parent / "run_all_details.json").write_text(json.dumps(self.report, indent=1, default=str))
-            if self.args.copy_to:  # after every part: a run cut off by a time limit still leaves its figures
+            # after every part: a run cut off by a time limit still leaves its figures (--json already there: no copy)
+            if self.args.copy_to and self.args.copy_to.resolve() != self.args.json.parent.resolve():
                 self.args.copy_to.mkdir(parents=True, exist_ok=True)
                 for name in ("latest.json", "run_all_details.json"):
                     shutil.copy(self.args.json.parent / name, self.args.copy_to / name)
