@@ -517,13 +517,13 @@ class Trainer:
         # part of the SMs, dark.learn.jobs.training_stream) when one is set, else on self.stream
         self.shared_stream: torch.cuda.Stream | None = None
         self.serving_busy: Callable[[], bool] = lambda: False
-        # how far the host may queue ahead of the device on the trainer's own stream (all the SMs) where requests
-        # may come (shared_stream set): a step while nothing is served waits for the device only at its check, so
-        # without a bound the host may queue most of a step (~270 ms at 7B) there before a request arrives. At most
-        # `lead` pieces (_step_stream's calls: a layer's pass, a loss) stay queued ahead of the device; the host
-        # waits for the oldest, not for the device to drain. DARK_TRAIN_LEAD=0: no bound. (Training alone on the
-        # H100, 2026-12-05: 13,897 tok/s with 2, 13,435 with 0, inside the runs' spread.)
-        self.lead = int(os.environ.get("DARK_TRAIN_LEAD", "2"))
+        # While requests are served, a step waits for its stream at the points it did before it had one wait
+        # (_wait_while_serving). DARK_SERVING_WAITS=0 (an A/B to run): no such waits; instead the host stays at
+        # most `lead` pieces (_step_stream's calls: a layer's pass, a loss) ahead of the device while serving
+        # (DARK_TRAIN_LEAD, 2; 0: no bound), waiting for the oldest, not for the device to drain. A step while
+        # nothing is served neither waits nor is bounded (its one wait is its check). Both are read at each job's
+        # start (_read_settings), so a benchmark may change them between jobs.
+        self.lead, self.serving_waits = 2, True
         self._queued: list[torch.cuda.Event] = []
         self.training = 0  # train() calls under way (serving keeps to its partition of the SMs meanwhile)
         # free KV-cache blocks a job may borrow for its checkpointed passes (dark.engine.loan; set by the Learner
@@ -728,6 +728,7 @@ class Trainer:
         low = self.device.type == "cpu" and cfg.cpu_bf16 and self.model.lm_head.weight.dtype == torch.float32 and cpu_has_bf16()
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if low else nullcontext()
         self.training += 1
+        self._read_settings()
         try:
             with ctx, autocast, torch.enable_grad():
                 result = self._train(weights, optimizer_state, items, cfg, on_step, low)
@@ -1037,7 +1038,7 @@ class Trainer:
         busy = self.shared_stream is not None and self.serving_busy()
         stream = self.shared_stream if busy else self.stream
         around = torch.cuda.current_stream(self.device)
-        if self.shared_stream is not None and not busy and self.lead > 0:
+        if busy and not self.serving_waits and self.lead > 0:
             self._pace(around)
         if stream == around:
             yield None
@@ -1047,14 +1048,22 @@ class Trainer:
             yield stream  # the stream switched to (None: the one around)
         around.wait_stream(stream)
 
+    def _read_settings(self) -> None:
+        self.lead = int(os.environ.get("DARK_TRAIN_LEAD", "2"))
+        self.serving_waits = os.environ.get("DARK_SERVING_WAITS", "1") != "0"
+        self._queued = []
+
     def _wait_while_serving(self) -> None:
         """While requests are served (on CUDA), the host waits here for the trainer's queued work: at the points of a
         step where it waited before steps ran with one wait (the passes' inputs, the rows of the loss, the check,
         the step's end). Measured on 2026-12-05 (H200 and H100): with the one wait alone, decode's p99 per-token
-        latency during training went from ~2.1x solo to 17-19x (stalls of ~110 ms, about three a step), whether
-        or not the host's lead on the trainer's own stream was bounded (_pace); the waits keep the queue during
-        serving as it was when that ratio was measured. A step while nothing is served keeps its one wait."""
-        if self.stream is not None and self.shared_stream is not None and self.serving_busy():
+        latency during training went from ~2.1x solo to 17-19x (stalls of ~110 ms, about three a step), with the
+        host's lead bounded while nothing was served (_pace) or not; the waits keep the queue during
+        serving as it was when that ratio was measured. A step while nothing is served keeps its one wait. (The
+        likeliest cause, not yet measured: on its part of the SMs the trainer's work runs slower than the host
+        queues it, the driver's launch queue fills, and a launch that blocks there holds the GIL the serving loop
+        needs; DARK_SERVING_WAITS=0 bounds the host's lead while serving instead: the A/B to run.)"""
+        if self.serving_waits and self.stream is not None and self.shared_stream is not None and self.serving_busy():
             torch.cuda.current_stream(self.device).synchronize()
 
     def _pace(self, around: torch.cuda.Stream) -> None:
