@@ -590,6 +590,12 @@ class Trainer:
                                           loan=self._loan if remat and kv_loan else None)
         return hidden, p, n, remat
 
+    @staticmethod
+    def _target_count(rendered: list[Rendered]) -> int:
+        """How many rows _targets makes for these sequences (their labelled tokens after the first): the rows come
+        in sequence order, so this is where the next sequences' rows begin."""
+        return sum(label != -100 for r in rendered for label in r.labels[1:])
+
     def _targets(self, labels: list[list[int]], p: int, n: int):
         """Rows of the flat hidden states that predict a labelled token, the tokens, and each row's sequence."""
         rows, targets, owner = [], [], []
@@ -620,7 +626,7 @@ class Trainer:
                                             cfg.kv_loan)
         rows, targets, owner = self._targets([r.labels for r in rendered], p, n)
         # rows are in sequence order: those of the sequences before full_from come first
-        split = len(rows) if full_from is None else sum(label != -100 for r in rendered[:full_from] for label in r.labels[1:])
+        split = len(rows) if full_from is None else self._target_count(rendered[:full_from])
         # on the stream of the moment, picked now: a step that began while nothing was served must not keep all the
         # SMs for its loss once requests have arrived (the layers pick theirs as they run)
         with self._step_stream() as moved:
@@ -900,7 +906,8 @@ class Trainer:
                     # alone) runs without gradients: no layer kept or recomputed for a backward that never runs
                     if not final:
                         opt.zero_grad(set_to_none=True)
-                    loss_total, worst, kept = None, None, None
+                    loss_total, worst = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
+                    kept = torch.ones((), dtype=torch.bool, device=self.device)
                     with torch.no_grad() if final else nullcontext():
                         for g, group in enumerate(groups):
                             last = g == len(groups) - 1
@@ -910,11 +917,8 @@ class Trainer:
                                     sft_weight=len(group) / max(1, len(batch)))
                                 if not final:
                                     loss_g.backward()
-                            if loss_total is None:
-                                loss_total, worst, kept = loss_g.detach(), worst_g, kept_g
-                            else:
-                                loss_total = loss_total + loss_g.detach()
-                                worst, kept = torch.maximum(worst, worst_g), kept & kept_g
+                            loss_total = loss_total + loss_g.detach()
+                            worst, kept = torch.maximum(worst, worst_g), kept & kept_g
                     backward_done = not final
                 else:
                     loss_total, worst, kept = self._sft_and_anchor_losses(batch, anchors, lora, cfg)
@@ -1153,7 +1157,7 @@ class Trainer:
         nb = len(batch)
         # the taught rows come first (sequence order), as many as the items' labelled tokens: a slice, where a
         # boolean mask would wait for the device to learn its size
-        taught = sum(label != -100 for i in batch for label in i.rendered.labels[1:])
+        taught = self._target_count([i.rendered for i in batch])
         if nb and taught:
             nll, who = -chosen[:taught], owner[:taught]
             # each example counts the same, whatever its length
