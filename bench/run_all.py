@@ -222,17 +222,19 @@ def hf_parts(run: Run, hf) -> None:
 # --- dark ---
 @contextmanager
 def env_setting(spec: str):
-    """Within the block, the environment variable of spec ("NAME=VALUE") has that value; as it was after."""
-    key, _, value = spec.partition("=")
-    before = os.environ.get(key)
-    os.environ[key] = value
+    """Within the block, the environment variables of spec ("NAME=VALUE", several joined by commas) have those
+    values; as they were after."""
+    pairs = [part.partition("=") for part in spec.split(",") if part]
+    before = {key: os.environ.get(key) for key, _, _ in pairs}
+    os.environ.update({key: value for key, _, value in pairs})
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = before
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def dark_parts(run: Run, llm) -> None:
@@ -547,7 +549,8 @@ def main() -> None:
                     help="run only these dark parts (decode_bs1 multi_adapter offline train decode_during_training "
                          "correction train_no_checkpoint; default all; no memory line then)")
     ap.add_argument("--during-ab", nargs="*", default=[], metavar="ENV=VALUE",
-                    help="decode during training again with each of these environment settings (first --train-sms)")
+                    help="decode during training again with each of these environment settings (first --train-sms; "
+                         "A=1,B=2 sets two at once)")
     ap.add_argument("--lora-variants", action="store_true",
                     help="also time the adapter lines with the other LoRA decode kernels (fused <-> shrink + expand)")
     sizes = {"repeats": 2, "prompt_len": 128, "bs1_tokens": 128, "adapters": 32, "multi_batch": 64, "multi_tokens": 64,
