@@ -17,7 +17,6 @@ import argparse
 import ast
 import collections
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -31,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_decode import QWEN25_7B, build_folder, prompts_ids, random_adapter, replay_ms  # noqa: E402
+from run_all import env_setting  # noqa: E402
 
 
 def kernels_of(prof_json: Path) -> list[dict]:
@@ -151,22 +151,16 @@ def main() -> None:
                 pairs = [s.split("=", 1) for s in settings.split(",") if s]
                 # module.ATTR=value sets a knob of dark.kernels.<module>; anything else is an environment variable
                 knobs = [(kernel_module(k.split(".")[0]), k.split(".")[1], ast.literal_eval(v)) for k, v in pairs if "." in k]
-                envs = {k: v for k, v in pairs if "." not in k}
-                old = {k: os.environ.get(k) for k in envs}
+                envs = ",".join(f"{k}={v}" for k, v in pairs if "." not in k)
                 old_knobs = [(m, attr, getattr(m, attr)) for m, attr, _ in knobs]
-                os.environ.update(envs)
                 for m, attr, v in knobs:
                     setattr(m, attr, v)
-                llm.engine.runner.set_fast(True)
                 print("variant", name, flush=True)
                 try:
-                    report[name] = compare(llm, tmp, a.reps)
+                    with env_setting(envs):
+                        llm.engine.runner.set_fast(True)
+                        report[name] = compare(llm, tmp, a.reps)
                 finally:
-                    for k, v in old.items():
-                        if v is None:
-                            os.environ.pop(k, None)
-                        else:
-                            os.environ[k] = v
                     for m, attr, v in old_knobs:
                         setattr(m, attr, v)
                     llm.engine.runner.set_fast(True)
