@@ -279,6 +279,34 @@ class GcPauses:
                 "max_ms": round(1000 * max((d for _, d in p), default=0.0), 2)}
 
 
+class GilHolds:
+    """How long the interpreter's lock was out of reach: a thread that sleeps 1 ms at a time and records how late
+    each wake came back. A late wake of tens of ms means some thread held the GIL that long (a C call that does not
+    release it, such as a kernel launch blocked on a full launch queue, or a collector pause), which also stalls the
+    serving loop; a stall of decode with no such late wake lies elsewhere (the device, a wait on an event)."""
+
+    def __init__(self):
+        self.late, self._stop = [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            t = time.perf_counter()
+            time.sleep(0.001)
+            if (late := time.perf_counter() - t - 0.001) > 0.01:
+                self.late.append(late)
+
+    def take(self) -> dict:
+        late, self.late = self.late, []
+        return {"over_10ms": len(late), "over_50ms": sum(x > 0.05 for x in late),
+                "max_ms": round(1000 * max(late, default=0.0), 1)}
+
+    def close(self):
+        self._stop.set()
+        self._thread.join()
+
+
 def bench_dark_decode(llm, clock, args, device, report, save, solo_rate) -> None:
     """Rounds of solo and while-training decode runs: solo, busy, solo, ... (2 * rounds - 1 runs, solo first and last
     when rounds > 1), each run's figures and all runs pooled."""
@@ -291,6 +319,7 @@ def bench_dark_decode(llm, clock, args, device, report, save, solo_rate) -> None
     def one_run(seed):
         clock.clear()
         gcp.take()
+        gil.take()
         t0 = time.perf_counter()
         run_ours(llm, prompts_ids(args.streams, args.prompt_len, seed), args.new_tokens)
         t1 = time.perf_counter()
@@ -300,9 +329,10 @@ def bench_dark_decode(llm, clock, args, device, report, save, solo_rate) -> None
         fig["gaps_over_2x_p50"] = sum(x > 2 * statistics.median(g) for x in g)
         fig["slowest_at_step"] = max(range(len(g)), key=g.__getitem__)
         fig["gc"] = gcp.take()
+        fig["gil_holds"] = gil.take()  # late wakes of a 1 ms sleeper during the run (GilHolds)
         return fig, g, t0, t1
 
-    gcp = GcPauses()
+    gcp, gil = GcPauses(), GilHolds()
     run_ours(llm, prompts_ids(args.streams, args.prompt_len, 2), 8)  # warm-up
     items = dark_items(args)
     big = 10**6
@@ -351,7 +381,10 @@ def bench_dark_decode(llm, clock, args, device, report, save, solo_rate) -> None
                            slowest_at_step=max(range(len(g)), key=g.__getitem__),
                            gc={"count": fig["gc"]["count"] + more["gc"]["count"],
                                "gen2": fig["gc"]["gen2"] + more["gc"]["gen2"],
-                               "max_ms": max(fig["gc"]["max_ms"], more["gc"]["max_ms"])})
+                               "max_ms": max(fig["gc"]["max_ms"], more["gc"]["max_ms"])},
+                           gil_holds={"over_10ms": fig["gil_holds"]["over_10ms"] + more["gil_holds"]["over_10ms"],
+                                      "over_50ms": fig["gil_holds"]["over_50ms"] + more["gil_holds"]["over_50ms"],
+                                      "max_ms": max(fig["gil_holds"]["max_ms"], more["gil_holds"]["max_ms"])})
             fig["rounds"] = rounds
             stop.set()
             th.join(timeout=120)
@@ -362,6 +395,7 @@ def bench_dark_decode(llm, clock, args, device, report, save, solo_rate) -> None
         pooled[mode] += g
         print(json.dumps(runs[-1]), flush=True)
     gc.callbacks.remove(gcp)
+    gil.close()
     busy = [r for r in runs if r["mode"] == "while_training" and r["train_tok_s_during"]]
     during = round(statistics.median(r["train_tok_s_during"] for r in busy), 1) if busy else None
     before = [r["train_tok_s_before"] for r in busy if r.get("train_tok_s_before")]
