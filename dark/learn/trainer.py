@@ -518,7 +518,7 @@ class Trainer:
         self.shared_stream: torch.cuda.Stream | None = None
         self.serving_busy: Callable[[], bool] = lambda: False
         # While requests are served, a step waits for its stream at the points it did before it had one wait
-        # (_wait_while_serving). DARK_SERVING_WAITS=0 (an A/B to run): no such waits; instead the host stays at
+        # (_wait_while_serving). DARK_SERVING_WAITS=0 (measured slightly worse): no such waits; instead the host stays at
         # most `lead` pieces (_step_stream's calls: a layer's pass, a loss) ahead of the device while serving
         # (DARK_TRAIN_LEAD, 2; 0: no bound), waiting for the oldest, not for the device to drain. A step while
         # nothing is served neither waits nor is bounded (its one wait is its check). Both are read at each job's
@@ -1063,10 +1063,11 @@ class Trainer:
         the step's end). Measured on 2026-12-05 (H200 and H100): with the one wait alone, decode's p99 per-token
         latency during training went from ~2.1x solo to 17-19x (stalls of ~110 ms, about three a step), with the
         host's lead bounded while nothing was served (_pace) or not; the waits keep the queue during
-        serving as it was when that ratio was measured. A step while nothing is served keeps its one wait. (The
-        likeliest cause, not yet measured: on its part of the SMs the trainer's work runs slower than the host
-        queues it, the driver's launch queue fills, and a launch that blocks there holds the GIL the serving loop
-        needs; DARK_SERVING_WAITS=0 bounds the host's lead while serving instead: the A/B to run.)"""
+        serving as it was when that ratio was measured. A step while nothing is served keeps its one wait.
+        Measured with them on 2026-12-06 (H100, bench/RESULTS.md): p99 1.92x solo, longest token 12.4 ms; with
+        DARK_SERVING_WAITS=0 (the host's lead bounded to DARK_TRAIN_LEAD pieces while serving instead) 2.04x / 2.09x
+        (lead 2 / 1), longest tokens 42 / 35 ms. The GIL was never held over 10 ms in any of them (GilHolds in
+        bench/bench_learn_gpu.py), so the old stalls were the host's unbounded lead on the device, not a held GIL."""
         if self.serving_waits and self.stream is not None and self.shared_stream is not None and self.serving_busy():
             torch.cuda.current_stream(self.device).synchronize()
 
