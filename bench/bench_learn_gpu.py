@@ -307,6 +307,11 @@ class GilHolds:
         self._thread.join()
 
 
+def pooled_counts(a: dict, b: dict) -> dict:
+    """Two runs' GcPauses / GilHolds figures as one: the counts added, the longest (max_ms) kept."""
+    return {k: max(a[k], b[k]) if k == "max_ms" else a[k] + b[k] for k in a}
+
+
 def bench_dark_decode(llm, clock, args, device, report, save, solo_rate) -> None:
     """Rounds of solo and while-training decode runs: solo, busy, solo, ... (2 * rounds - 1 runs, solo first and last
     when rounds > 1), each run's figures and all runs pooled."""
@@ -379,12 +384,8 @@ def bench_dark_decode(llm, clock, args, device, report, save, solo_rate) -> None
                 rounds += 1
                 fig.update(latency(g), gaps_over_2x_p50=sum(x > 2 * statistics.median(g) for x in g),
                            slowest_at_step=max(range(len(g)), key=g.__getitem__),
-                           gc={"count": fig["gc"]["count"] + more["gc"]["count"],
-                               "gen2": fig["gc"]["gen2"] + more["gc"]["gen2"],
-                               "max_ms": max(fig["gc"]["max_ms"], more["gc"]["max_ms"])},
-                           gil_holds={"over_10ms": fig["gil_holds"]["over_10ms"] + more["gil_holds"]["over_10ms"],
-                                      "over_50ms": fig["gil_holds"]["over_50ms"] + more["gil_holds"]["over_50ms"],
-                                      "max_ms": max(fig["gil_holds"]["max_ms"], more["gil_holds"]["max_ms"])})
+                           gc=pooled_counts(fig["gc"], more["gc"]),
+                           gil_holds=pooled_counts(fig["gil_holds"], more["gil_holds"]))
             fig["rounds"] = rounds
             stop.set()
             th.join(timeout=120)
