@@ -332,6 +332,8 @@ def bench_dark_decode(llm, clock, args, device, report, save, solo_rate) -> None
         fig = latency(g)
         fig["runner_p50_ms"] = round(1000 * statistics.median(e - s for s, e, _ in clock.decode_steps()), 3)
         fig["gaps_over_2x_p50"] = sum(x > 2 * statistics.median(g) for x in g)
+        # requests added -> the end of the run's first step (the prompts' prefill): the streams' first token
+        fig["first_step_ms"] = round(1000 * (clock.steps[0][1] - t0), 3) if clock.steps else None
         fig["slowest_at_step"] = max(range(len(g)), key=g.__getitem__)
         fig["gc"] = gcp.take()
         fig["gil_holds"] = gil.take()  # late wakes of a 1 ms sleeper during the run (GilHolds)

@@ -2,7 +2,7 @@
 Qwen2.5-7B shapes, random bf16 weights, 8 greedy streams, a 2 x 2048 training loop on the trainer's SMs), under
 torch.profiler on every thread.
 
-Each decode step is marked ("decode_step" on the engine's thread). For each step slower than twice the median, the
+Each decode step is marked ("decode_step" on the engine's thread). For each step slower than twice the median (--slow-x), the
 script lists what overlapped it: the longest host calls of each thread (a long call that holds the GIL stops the
 engine's thread), the GPU kernels running on each stream, and the gap before the step's start. The timeline goes
 to --trace (Perfetto / chrome://tracing).
@@ -41,7 +41,7 @@ def overlapping(events: list[dict], s: float, e: float) -> list[dict]:
     return [ev for ev in events if ev["ts"] < e and ev["ts"] + ev.get("dur", 0) > s]
 
 
-def analyse(trace: dict) -> dict:
+def analyse(trace: dict, slow_x: float = 2.0) -> dict:
     evs = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     steps = sorted((e for e in evs if e["name"] == "decode_step" and e.get("cat") == "user_annotation"),
                    key=lambda e: e["ts"])
@@ -55,7 +55,7 @@ def analyse(trace: dict) -> dict:
     kernels = [e for e in evs if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     slow = []
     for i, g in enumerate(gaps):
-        if g <= 2 * med:
+        if g <= slow_x * med:
             continue
         s, e = starts[i], starts[i + 1]
         row = {"step": i, "gap_ms": round(g / 1000, 3), "in_step_ms": round(steps[i]["dur"] / 1000, 3)}
@@ -100,6 +100,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=384)
     ap.add_argument("--no-profile", action="store_true", help="the same window without the profiler (its cost)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the script, not speed")
+    ap.add_argument("--slow-x", type=float, default=2.0, help="a step is slow above this many times the median")
     a = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
@@ -156,7 +157,7 @@ def main() -> None:
         tmp = a.out.with_suffix(".trace.json")
         prof.export_chrome_trace(str(tmp))
         trace = json.loads(tmp.read_text())
-        out = analyse(trace)
+        out = analyse(trace, a.slow_x)
         if a.trace:
             with gzip.open(a.trace, "wt") as f:
                 json.dump(trace, f)

@@ -375,12 +375,17 @@ def dark_parts(run: Run, llm) -> None:
             bench_dark_decode(llm, clock, train_args, dev, sub, run.save, solo.get("rate"))
             d = sub["decode"][-1]
             busy = [r["gil_holds"] for r in d["runs"] if r["mode"] == "while_training"]
+            first = {m: [r["first_step_ms"] for r in d["runs"] if r["mode"] == m and r.get("first_step_ms")]
+                     for m in ("solo", "while_training")}
             return {"p99_ratio": round(d["while_training"]["p99_ms"] / d["solo"]["p99_ms"], 3),
                     "p50_ratio": round(d["while_training"]["p50_ms"] / d["solo"]["p50_ms"], 3),
                     "train_ratio": d["train_ratio"],
                     # the GIL out of reach during the busy runs (bench_learn_gpu.GilHolds): late wakes over 50 ms
                     "gil_holds_over_50ms": sum(h["over_50ms"] for h in busy),
-                    "gil_hold_max_ms": max((h["max_ms"] for h in busy), default=0.0)}
+                    "gil_hold_max_ms": max((h["max_ms"] for h in busy), default=0.0),
+                    # the prompts' first step (the streams' first token), median over runs: solo and while training
+                    "first_step_ms_solo": statistics.median(first["solo"]) if first["solo"] else None,
+                    "first_step_ms_during": statistics.median(first["while_training"]) if first["while_training"] else None}
 
         for n in a.train_sms:
             for split in (default, "1" if default == "0" else "0") if a.split_ab else (default,):
