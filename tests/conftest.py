@@ -92,9 +92,16 @@ def browser():
 
 @pytest.fixture
 def triton_compiles(monkeypatch) -> list[str]:
-    """The names of the Triton kernels compiled while the test runs, in order (JITFunction._do_compile wrapped)."""
+    """The names of the Triton kernels compiled while the test runs, in order (JITFunction._do_compile wrapped).
+    Every kernel's in-process cache is emptied first, so that what an earlier test of the same process compiled
+    is compiled (from Triton's disk cache) and counted again, as in a fresh process."""
+    import gc
+
     from triton.runtime.jit import JITFunction
 
+    for obj in gc.get_objects():
+        if isinstance(obj, JITFunction) and hasattr(obj, "device_caches"):
+            obj.device_caches.clear()
     names: list[str] = []
     real = JITFunction._do_compile
 
