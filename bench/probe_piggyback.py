@@ -33,6 +33,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import replay_ms  # noqa: E402
+
 H, I, LAYERS, QKV = 3584, 18944, 28, 4608
 
 
@@ -107,15 +110,9 @@ def time_form(form: Form, device, reps: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         form.run()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
+    ms = replay_ms(graph, reps)
     del graph
-    return round(start.elapsed_time(end) / reps, 3)
+    return ms
 
 
 def main():
