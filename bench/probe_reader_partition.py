@@ -227,12 +227,19 @@ def beside(dec_stream, graph, gemm_stream, x, w, out, read_ms: float, g_ms: floa
 
 
 def main() -> None:
+    global M, K, N, CONFIGS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--check", action="store_true", help="only the kernels against torch at small sizes")
     ap.add_argument("--sms", type=int, nargs="+", default=[16, 24, 32, 40, 48, 64])
     ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--gemm", type=int, nargs=3, metavar=("M", "K", "N"), default=[M, K, N],
+                    help="the GEMMs beside the reader (default: a training step's 4096 x 3584 x 18944)")
+    ap.add_argument("--configs", nargs="+", help="the Triton tilings to try, as BNxBKxSTAGESxWARPS (default: five)")
     a = ap.parse_args()
+    M, K, N = a.gemm
+    if a.configs:
+        CONFIGS = [tuple(int(v) for v in c.split("x")) for c in a.configs]
     if a.check or INTERPRET:
         print(json.dumps({"check": check(torch.device("cuda" if torch.cuda.is_available() else "cpu"))}))
         return
