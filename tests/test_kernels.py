@@ -932,6 +932,45 @@ def test_gemv_matches_reference(dtype, tol, n, k, bias):
     assert rel_err(out.float().cpu(), gemv_reference(x.float(), w.float(), None if b is None else b.float()).cpu()) < tol
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,n,k,bias", [(2, 37, 104, True), (8, 300, 1024, False), (16, 128, 2048, True),
+                                        (5, 1000, 256, False), (3, 130, 4104, True)])
+def test_skinny_matches_reference(dtype, m, n, k, bias):
+    """A few rows by a wide weight through the skinny product (decode at 2-16 sequences on Hopper) equals F.linear:
+    columns that do not fill a tile, K not a multiple of the step (the copy engine's zero fill), K split over
+    programs and summed by the tile's last program, a bias, x a strided view. Called twice: the tiles' counters
+    are back at zero after each call, so the second call sums no stale partials."""
+    from dark.kernels.skinny import _workspace, plan, skinny, skinny_reference
+
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, 2 * k, generator=g).to(DEV, dtype)[:, ::2]
+    w = (torch.randn(n, k, generator=g) * 0.05).to(DEV, dtype)
+    b = torch.randn(n, generator=g).to(DEV, dtype) if bias else None
+    ref = skinny_reference(x.float(), w.float(), None if b is None else b.float()).cpu()
+    per, splits = plan(n, k, 132)
+    for _ in range(2):
+        out = skinny(x, w, b)
+        assert out.shape == (m, n) and out.dtype == dtype
+        assert rel_err(out.float().cpu(), ref) < 1e-2
+        assert not _workspace(w.device, n, splits)[1].any(), "a tile's counter left set"
+    assert splits > 1 or k <= 1024, "the larger shapes take the split path"
+
+
+def test_skinny_takes_only_what_it_can():
+    """applies(): 2-16 rows, the weight's dtype, rows the copy engine can address; else the caller keeps F.linear."""
+    from dark.kernels.skinny import applies
+
+    w = torch.zeros(64, 256, dtype=torch.bfloat16, device=DEV)
+    assert applies(torch.zeros(2, 256, dtype=torch.bfloat16, device=DEV), w)
+    assert applies(torch.zeros(16, 256, dtype=torch.bfloat16, device=DEV), w)
+    assert not applies(torch.zeros(1, 256, dtype=torch.bfloat16, device=DEV), w)    # the GEMV's
+    assert not applies(torch.zeros(17, 256, dtype=torch.bfloat16, device=DEV), w)   # cuBLAS's
+    assert not applies(torch.zeros(4, 256, dtype=torch.float32, device=DEV), w)     # dtypes differ
+    w500 = torch.zeros(64, 250, dtype=torch.bfloat16, device=DEV)
+    assert not applies(torch.zeros(4, 250, dtype=torch.bfloat16, device=DEV), w500)  # rows 500 bytes apart
+    assert not applies(torch.zeros(4, 256, dtype=torch.float32, device=DEV), w.float())     # 32-bit weights
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("splits,glu,slot", [(None, False, 1), ([40, 24, 24], False, 2), ([48, 48], True, 0),
                                              (None, False, -1), ([48, 48], True, -1)])

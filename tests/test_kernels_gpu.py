@@ -497,6 +497,35 @@ def test_gemv_qwen_shapes(n, k, bias):
     assert ((out - ref).norm() / ref.norm()).item() < 1e-2
 
 
+@pytest.mark.parametrize("m", [2, 8, 16])
+@pytest.mark.parametrize("n,k,bias", [(4608, 3584, True), (3584, 3584, False), (37888, 3584, False),
+                                      (3584, 18944, False), (152064, 3584, False)])
+def test_skinny_qwen_shapes(m, n, k, bias):
+    """The decode projections of Qwen2.5-7B at 2-16 sequences through the skinny product, eager and replayed twice
+    in a CUDA graph on new inputs (the tiles' counters must be back at zero after every call)."""
+    from dark.kernels.skinny import skinny
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the copy engine's descriptors need Hopper")
+    g = torch.Generator(device="cuda").manual_seed(n + m)
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
+    b = torch.randn(n, device="cuda", generator=g).bfloat16() if bias else None
+
+    def ref():
+        return torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+
+    assert rel_err(skinny(x, w, b).float(), ref()) < 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = skinny(x, w, b)
+    for seed in (1, 2):
+        x.copy_(torch.randn(m, k, device="cuda", generator=g.manual_seed(seed)).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out.float(), ref()) < 1e-2
+
+
 def test_dependent_launch_chain_in_a_cuda_graph():
     """Programmatic dependent launch (each kernel starts while the one before finishes, and waits in-kernel for its
     writes): a chain of the decode kernels, each reading what the one before wrote, captured in a CUDA graph and

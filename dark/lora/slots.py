@@ -24,9 +24,8 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 
-from ..models.decoder import ModelConfig, fuse_linears, kernel_module
+from ..models.decoder import ModelConfig, fuse_linears, kernel_module, project_fused
 from .weights import AdapterWeights, Key
 
 # an adapter version's factors on the device, in the slots' layout and precision (AdapterSlots.stage)
@@ -391,7 +390,7 @@ class SlotLoRA:
             if B is None:
                 return None
         weight, bias, out = ext
-        y = F.linear(x, weight, bias)
+        y = project_fused(x, weight, bias)
         return kernel_module("lora").lora_expand_codes(y[:, out:], B, self.kernel_slots, y[:, :out], self.r,
                                                        self.slots.max_rank, splits=outs,
                                                        segments=self.kernel_segments)

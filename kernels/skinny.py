@@ -1,0 +1,160 @@
+"""Products of a few rows by a wide weight: out [M, N] = x [M, K] @ W[N, K]^T (+ bias), 2 <= M <= 16 (decode steps
+of a few sequences, short prompts).
+
+Such a product is bound by reading W once. cuBLAS at 8 rows reads the Qwen2.5-7B projections at ~3.5 TB/s on the
+H200 (bench/RESULTS.md 2026-12-06 23:49, probe_reader_partition.py); this kernel at ~3.8. Each program takes BN
+output columns and a range of K: W's tiles [BN, BK] come through the bulk tensor copy engine (a TMA descriptor) in a
+software pipeline and are the wide operand of the tensor cores' product with x's rows (padded to 16) transposed, so
+the tensor cores need no more than 16 rows of x. K is split over programs so that every SM has several in flight
+even where N is narrow (o_proj, down_proj: 28 column tiles); the last program of a column tile to finish (a counter
+per tile, reset by that program) sums the tile's partial sums from a workspace and writes the output, so a call is
+one launch and needs no zeroed buffer. skinny_reference is the plain-torch definition.
+
+Used by the model's projections in passes without autograd on Hopper GPUs (dark.models.decoder._project);
+DARK_SKINNY=0 turns it off there (cuBLAS, as before).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+BN, BK, STAGES, WARPS = 128, 128, 3, 4   # the best of five tilings at every partition size, H100 and H200 alike
+ROWS = 16                                # x's rows as the tensor cores take them (the smallest product width)
+MIN_CHUNKS = 4                           # BK-wide steps a program takes at least (a pipeline of 3 stages)
+PROGRAMS_PER_SM = 4
+
+
+def skinny_reference(x, weight, bias=None):
+    return F.linear(x, weight, bias)
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether skinny() takes this product: 2-16 rows of x, a 16-bit weight with unit stride along K and rows
+    16-byte aligned (what a TMA descriptor needs), and x of the weight's dtype."""
+    return (x.dim() == 2 and 2 <= x.shape[0] <= ROWS and x.dtype == weight.dtype
+            and weight.dtype in (torch.bfloat16, torch.float16) and weight.dim() == 2 and weight.stride(1) == 1
+            and (weight.stride(0) * weight.element_size()) % 16 == 0 and weight.data_ptr() % 16 == 0
+            and x.shape[1] == weight.shape[1] and x.shape[1] % 8 == 0)
+
+
+def plan(n: int, k: int, sms: int) -> tuple[int, int]:
+    """(BK steps a program takes, programs along K) for an [n, k] weight on a device of `sms` SMs."""
+    chunks = triton.cdiv(k, BK)
+    tiles = triton.cdiv(n, BN)
+    want = triton.cdiv(PROGRAMS_PER_SM * sms, tiles)
+    splits = max(1, min(want, chunks // MIN_CHUNKS))
+    per = triton.cdiv(chunks, splits)
+    return per, triton.cdiv(chunks, per)
+
+
+_WORK: dict = {}
+_SMS: dict = {}
+_DESC: dict = {}
+
+
+def _sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the CPU interpreter: the H100's and H200's count, so the tests take the same plans
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SMS:
+        _SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
+    return _SMS[key]
+
+
+def _workspace(device: torch.device, n: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The partial sums [tiles, splits, BN, ROWS] fp32 and the tiles' counters (zeros; each call leaves them zero)
+    for calls on the current stream: products on two streams at once (serving's and a learn job's reference
+    passes) never share a counter. Made outside any CUDA graph capture where the warm-up runs first, as the
+    engine's does; made inside one, the graph's replays zero the counters first."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    tiles = triton.cdiv(n, BN)
+    key = (str(device), stream, tiles, splits)
+    if key not in _WORK:
+        _WORK[key] = (torch.empty(tiles * splits * BN * ROWS, device=device, dtype=torch.float32),
+                      torch.zeros(tiles, device=device, dtype=torch.int32))
+    return _WORK[key]
+
+
+def _descriptor(weight: torch.Tensor):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    key = (weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()), weight.dtype, str(weight.device))
+    d = _DESC.get(key)
+    if d is None:
+        if len(_DESC) > 4096:
+            _DESC.clear()
+        d = _DESC[key] = TensorDescriptor.from_tensor(weight, [BN, BK])
+    return d
+
+
+def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (2 <= M <= 16, see applies), weight [N, K], bias [N] or None -> [M, N] in x's dtype."""
+    assert applies(x, weight), "skinny: 2-16 rows and a 16-bit weight with aligned rows (applies)"
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    M, K = x.shape
+    N = weight.shape[0]
+    per, splits = plan(N, K, _sms(x.device))
+    work, counters = _workspace(x.device, N, splits)
+    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    _skinny_kernel[(triton.cdiv(N, BN), splits)](
+        _descriptor(weight), x, bias if bias is not None else x, out, work, counters, M, N, K, x.stride(0),
+        out.stride(0), CHUNKS=per, SPLITS=splits, HAS_BIAS=bias is not None, BN=BN, BK=BK, R=ROWS, STAGES=STAGES,
+        UPCAST=os.environ.get("TRITON_INTERPRET") == "1", num_warps=WARPS)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _skinny_kernel(w_desc, x_ptr, b_ptr, out_ptr, work_ptr, count_ptr, M, N, K, stride_xm, stride_om,
+                       CHUNKS: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
+                       BK: tl.constexpr, R: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr):
+        tile = tl.program_id(0)
+        part = tl.program_id(1)
+        n0 = tile * BN
+        k_lo = part * (CHUNKS * BK)
+        offs_r = tl.arange(0, R)
+        offs_k = tl.arange(0, BK)
+        acc = tl.zeros([BN, R], tl.float32)
+        for c in tl.range(0, CHUNKS, num_stages=STAGES):
+            k = k_lo + c * BK
+            w = w_desc.load([n0, k])  # past N or K the copy engine fills zeros
+            ks = k + offs_k
+            x = tl.load(x_ptr + offs_r[:, None] * stride_xm + ks[None, :],
+                        mask=(offs_r[:, None] < M) & (ks[None, :] < K), other=0.0)
+            if UPCAST:  # the CPU interpreter's 16-bit dot is wrong: there the same steps run in fp32
+                acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(x), acc)
+        offs_t = tl.arange(0, BN)
+        offs_n = n0 + offs_t
+        if SPLITS == 1:
+            _skinny_store(acc, b_ptr, out_ptr, offs_n, offs_r, M, N, stride_om, HAS_BIAS)
+        else:
+            tile_work = work_ptr + tile * (SPLITS * BN * R) + offs_t[:, None] * R + offs_r[None, :]
+            tl.store(tile_work + part * (BN * R), acc)
+            tl.debug_barrier()  # every thread's partial stored before the counter says so
+            done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if done == SPLITS - 1:  # the tile's last program: the others' partials are visible (acquire)
+                total = tl.zeros([BN, R], tl.float32)
+                for s in tl.static_range(SPLITS):
+                    total += tl.load(tile_work + s * (BN * R), cache_modifier=".cg")
+                tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next call
+                _skinny_store(total, b_ptr, out_ptr, offs_n, offs_r, M, N, stride_om, HAS_BIAS)
+
+    @triton.jit
+    def _skinny_store(acc, b_ptr, out_ptr, offs_n, offs_r, M, N, stride_om, HAS_BIAS: tl.constexpr):
+        mask_n = offs_n < N
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + offs_r[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask_n[:, None] & (offs_r[None, :] < M))
