@@ -70,16 +70,23 @@ def _sms(device: torch.device) -> int:
 
 
 def _workspace(device: torch.device, n: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The partial sums [tiles, splits, BN, ROWS] fp32 and the tiles' counters (zeros; each call leaves them zero)
-    for calls on the current stream: products on two streams at once (serving's and a learn job's reference
-    passes) never share a counter. Made outside any CUDA graph capture where the warm-up runs first, as the
-    engine's does; made inside one, the graph's replays zero the counters first."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    """The partial sums [tiles, splits, BN, ROWS] fp32 and the tiles' counters (zeros; every call leaves them zero).
+    Eager calls take those of their stream, so products on two streams at once (serving's and a learn job's
+    reference passes) never share a counter; calls captured in a CUDA graph take one set for all graphs (the
+    engine replays one decode step at a time), made and zeroed by an eager call of the same shape before (the
+    engine's warm-up before each capture), else inside the capture, where each replay zeroes them first."""
     tiles = triton.cdiv(n, BN)
-    key = (str(device), stream, tiles, splits)
-    if key not in _WORK:
-        _WORK[key] = (torch.empty(tiles * splits * BN * ROWS, device=device, dtype=torch.float32),
-                      torch.zeros(tiles, device=device, dtype=torch.int32))
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    graphs = (str(device), "graphs", tiles, splits)
+    if capturing:
+        key = graphs
+    else:
+        key = (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0, tiles,
+               splits)
+    for k in (key,) if capturing or device.type != "cuda" else (key, graphs):
+        if k not in _WORK:
+            _WORK[k] = (torch.empty(tiles * splits * BN * ROWS, device=device, dtype=torch.float32),
+                        torch.zeros(tiles, device=device, dtype=torch.int32))
     return _WORK[key]
 
 
@@ -103,7 +110,7 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     M, K = x.shape
     N = weight.shape[0]
     per, splits = plan(N, K, _sms(x.device))
-    work, counters = _workspace(x.device, N, splits)
+    work, counters = _workspace(x.device, N, splits) if splits > 1 else (x, x)  # one program a tile: no sums
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     _skinny_kernel[(triton.cdiv(N, BN), splits)](
         _descriptor(weight), x, bias if bias is not None else x, out, work, counters, M, N, K, x.stride(0),
