@@ -105,6 +105,7 @@ def _descriptor(weight: torch.Tensor):
 def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (2 <= M <= 16, see applies), weight [N, K], bias [N] or None -> [M, N] in x's dtype."""
     assert applies(x, weight), "skinny: 2-16 rows and a 16-bit weight with aligned rows (applies)"
+    assert bias is None or (bias.shape == (weight.shape[0],) and bias.is_contiguous()), "skinny: a bias [N]"
     if x.stride(-1) != 1:
         x = x.contiguous()
     M, K = x.shape
