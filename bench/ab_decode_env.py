@@ -8,7 +8,7 @@ and how many of the greedy tokens agree with the default's (random weights make 
 sums in another order may flip a token and the rest of that sequence after it; a wrong kernel flips nearly all).
 Optionally the same with a rank-16 adapter on every request (`--adapter`).
 
-    PYTHONPATH=$PWD python3 bench/ab_decode_env.py --tokenizer .data/tok --env DARK_SKINNY=0 --out $OUT/ab.json
+    PYTHONPATH=$PWD python3 bench/ab_decode_env.py --tokenizer .data/tok --env DARK_SKINNY=1 --adapter --out $OUT/ab.json
 """
 from __future__ import annotations
 

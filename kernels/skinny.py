@@ -1,8 +1,9 @@
 """Products of a few rows by a wide weight: out [M, N] = x [M, K] @ W[N, K]^T (+ bias), 2 <= M <= 16 (decode steps
 of a few sequences, short prompts).
 
-Such a product is bound by reading W once. cuBLAS at 8 rows reads the Qwen2.5-7B projections at ~3.5 TB/s on the
-H200 (bench/RESULTS.md 2026-12-06 23:49, probe_reader_partition.py); this kernel at ~3.8. Each program takes BN
+Such a product is bound by reading W once. cuBLAS at 8 rows read the Qwen2.5-7B projections at ~3.5 TB/s on the
+H200, and a kernel of this design at ~3.8 (bench/probe_reader_partition.py, bench/RESULTS.md 2026-12-06 23:51;
+there the split partial sums went to fp32 atomics, here to the fixup below). Each program takes BN
 output columns and a range of K: W's tiles [BN, BK] come through the bulk tensor copy engine (a TMA descriptor) in a
 software pipeline and are the wide operand of the tensor cores' product with x's rows (padded to 16) transposed, so
 the tensor cores need no more than 16 rows of x. K is split over programs so that every SM has several in flight
@@ -10,8 +11,9 @@ even where N is narrow (o_proj, down_proj: 28 column tiles); the last program of
 per tile, reset by that program) sums the tile's partial sums from a workspace and writes the output, so a call is
 one launch and needs no zeroed buffer. skinny_reference is the plain-torch definition.
 
-Used by the model's projections in passes without autograd on Hopper GPUs (dark.models.decoder._project);
-DARK_SKINNY=0 turns it off there (cuBLAS, as before).
+The model's projections in passes without autograd on Hopper GPUs take it with DARK_SKINNY=1
+(dark.models.decoder._project, and SlotLoRA.extended's product over the extended weights); by default they stay on
+cuBLAS until the engine's decode steps with it have been measured on the GPU (bench/ab_decode_env.py).
 """
 from __future__ import annotations
 

@@ -158,7 +158,8 @@ def _grouped(lora) -> bool:
 def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fused: bool) -> torch.Tensor:
     """F.linear; for one token in a pass without autograd with the fused kernels on (a batch-1 decode step), the
     Triton GEMV (dark.kernels.gemv), which reads the weights faster than cuBLAS at every such shape measured; for
-    2-16 tokens on a Hopper GPU, the skinny product (dark.kernels.skinny: TMA loads, K split over programs)."""
+    2-16 tokens on a Hopper GPU with DARK_SKINNY=1, the skinny product (dark.kernels.skinny: TMA loads, K split
+    over programs)."""
     if _gemv_applies(x, fused):
         return kernel_module("gemv").gemv(x, weight, bias)
     if _skinny_applies(x, weight, fused):
@@ -168,7 +169,7 @@ def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, f
 
 def project_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """A product on the kernel path without an adapter's delta (SlotLoRA.extended's GEMM over the extended weight):
-    the GEMV for one row, the skinny product for 2-16 on Hopper, else F.linear."""
+    the GEMV for one row, the skinny product for 2-16 on Hopper with DARK_SKINNY=1, else F.linear."""
     return _project(x, weight, bias, True)
 
 
@@ -177,14 +178,17 @@ _HOPPER: dict = {}
 
 def _skinny_applies(x: torch.Tensor, weight: torch.Tensor, fused: bool) -> bool:
     """2-16 rows without autograd with the fused kernels on, on a GPU with the bulk tensor copy engine (compute
-    capability 9 and up: where it was measured faster than cuBLAS); DARK_SKINNY=0: cuBLAS."""
+    capability 9 and up: where it read a decode step's weights faster than cuBLAS, bench/probe_reader_partition.py),
+    when DARK_SKINNY=1. Off by default until the engine's decode steps with it are measured on the GPU
+    (bench/ab_decode_env.py --env DARK_SKINNY=1)."""
+    if os.environ.get("DARK_SKINNY", "0") != "1":
+        return False
     if not fused or x.dim() != 2 or not 2 <= x.shape[0] <= 16 or torch.is_grad_enabled() or x.device.type != "cuda":
         return False
     key = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if key not in _HOPPER:
         _HOPPER[key] = torch.cuda.get_device_capability(key)[0] >= 9
-    return (_HOPPER[key] and os.environ.get("DARK_SKINNY", "1") != "0"
-            and kernel_module("skinny").applies(x, weight))
+    return _HOPPER[key] and kernel_module("skinny").applies(x, weight)
 
 
 def _gemv_applies(x: torch.Tensor, fused: bool) -> bool:
