@@ -67,10 +67,9 @@ def decode_alone(stream, graph, reps: int = 40) -> float:
     return ms
 
 
-def together(dec_stream, gemm_stream, graph, x, ws, out, reps: int = 60, every: int = 4) -> dict:
+def together(dec_stream, gemm_stream, graph, x, ws, out, reps: int = 60, every: int = 4, n_gemm: int = 400) -> dict:
     """GEMMs queued first (enough to outlast the decode replays), then the replays; GEMM rate over the replays'
-    window from the GEMM events that fall inside it."""
-    n_gemm = 400
+    window from the GEMM events that fall inside it (TFLOP/s of x @ ws[i]^T)."""
     ev = gemm_loop(gemm_stream, x, ws, out, n_gemm, every)
     with torch.cuda.stream(dec_stream):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -83,7 +82,8 @@ def together(dec_stream, gemm_stream, graph, x, ws, out, reps: int = 60, every: 
     at = [start.elapsed_time(e) for e in ev]
     inside = [t for t in at if 0 <= t <= window]
     covered = at[-1] >= window and at[0] <= 0
-    rate = tflops(every * (len(inside) - 1), inside[-1] - inside[0]) if len(inside) > 2 else None
+    flops = 2 * x.shape[0] * x.shape[1] * ws[0].shape[0] * every * (len(inside) - 1)
+    rate = round(flops / ((inside[-1] - inside[0]) / 1000) / 1e12, 1) if len(inside) > 2 else None
     return {"decode_ms": round(window / reps, 3), "gemm_tflops": rate, "gemms_outlast_decode": covered}
 
 

@@ -35,6 +35,9 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_decode  # noqa: E402
+from probe_partition import together  # noqa: E402
+
 M, K, N = 4096, 3584, 18944                      # a training step's product (as in probe_partition.py)
 SHAPES = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)]   # (out, in) of q/k/v, o, gate/up, down
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -173,14 +176,7 @@ class Step:
 
 def replay_ms(stream, graph, reps: int = 20) -> float:
     with torch.cuda.stream(stream):
-        graph.replay()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            graph.replay()
-        b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / reps
+        return bench_decode.replay_ms(graph, reps)
 
 
 def gemm_ms(stream, x, w, out, n: int = 30) -> float:
@@ -202,28 +198,10 @@ def tflops(ms: float) -> float:
 
 def beside(dec_stream, graph, gemm_stream, x, w, out, read_ms: float, g_ms: float, reps: int = 40) -> dict:
     """The GEMMs queued first (enough to outlast the replays), then the replays; the GEMMs' rate from the events
-    that fall inside the replays' window."""
+    that fall inside the replays' window (probe_partition.together)."""
     n = int(1.5 * reps * read_ms / g_ms) + 20
-    events = []
-    with torch.cuda.stream(gemm_stream):
-        for i in range(n):
-            if i % 2 == 0:
-                e = torch.cuda.Event(enable_timing=True)
-                e.record()
-                events.append(e)
-            torch.mm(x, w.t(), out=out)
-    with torch.cuda.stream(dec_stream):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            graph.replay()
-        b.record()
-    torch.cuda.synchronize()
-    window = a.elapsed_time(b)
-    at = [a.elapsed_time(e) for e in events]
-    inside = [t for t in at if 0 <= t <= window]
-    rate = tflops((inside[-1] - inside[0]) / (2 * (len(inside) - 1))) if len(inside) > 2 else None
-    return {"read_ms": round(window / reps, 3), "gemm_tflops": rate, "gemms_outlast": at[-1] >= window}
+    r = together(dec_stream, gemm_stream, graph, x, [w], out, reps=reps, every=2, n_gemm=n)
+    return {"read_ms": r["decode_ms"], "gemm_tflops": r["gemm_tflops"], "gemms_outlast": r["gemms_outlast_decode"]}
 
 
 def main() -> None:
