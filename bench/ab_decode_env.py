@@ -16,7 +16,6 @@ import argparse
 import json
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 import torch
@@ -24,36 +23,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_decode import QWEN25_7B, TINY, graph_replay_ms, prompts_ids, random_adapter  # noqa: E402
+from bench_decode import QWEN25_7B, TINY, graph_replay_ms, prompts_ids, random_adapter, run_ours  # noqa: E402
 from bench_learn_gpu import build_model  # noqa: E402
 from run_all import env_setting  # noqa: E402
 
 
 def greedy(llm, prompts: list[list[int]], new_tokens: int, adapter=None) -> list[list[int]]:
-    """Every request's generated ids, decoded together as the engine serves them."""
-    from dark.engine.sequence import SamplingParams
-
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0)
-    outs: dict[int, list[int]] = {}
-    done = threading.Event()
-    lock = threading.Lock()
-
-    def on_output(i):
-        def cb(out):
-            if out.finished:
-                with lock:
-                    outs[i] = list(out.output_ids or [])
-                    if out.error is not None:
-                        outs[i] = [f"error: {out.error!r}"]
-                    if len(outs) == len(prompts):
-                        done.set()
-        return cb
-
-    for i, ids in enumerate(prompts):
-        llm.engine.add_request(ids, params, adapter, on_output(i))
-    if not done.wait(600):
-        raise SystemExit("generation did not finish")
-    return [outs[i] for i in range(len(prompts))]
+    """Every request's generated ids (greedy: the engine's default sampling), decoded together as served."""
+    outputs: list = [None] * len(prompts)
+    run_ours(llm, prompts, new_tokens, adapter, outputs)
+    return outputs
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:

@@ -117,8 +117,9 @@ class StepClock:
         return self.steps[1:]  # the first step of a measured run holds the prefill
 
 
-def run_ours(llm, prompts: list[list[int]], new_tokens: int, adapter=None) -> float:
-    """Wall seconds from adding the requests until all have finished."""
+def run_ours(llm, prompts: list[list[int]], new_tokens: int, adapter=None, outputs: list | None = None) -> float:
+    """Wall seconds from adding the requests until all have finished; `outputs` (a list as long as `prompts`), if
+    given, gets each request's generated ids at its place."""
     from dark.engine.sequence import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
@@ -127,18 +128,20 @@ def run_ours(llm, prompts: list[list[int]], new_tokens: int, adapter=None) -> fl
     errors: list[str] = []
     lock = threading.Lock()
 
-    def on_output(out):
+    def on_output(out, i: int):
         if out.finished:
             if out.error is not None or out.completion_tokens != new_tokens:
                 errors.append(f"{out.finish_reason} {out.error!r} after {out.completion_tokens} tokens")
+            if outputs is not None:
+                outputs[i] = list(out.output_ids or [])
             with lock:
                 left[0] -= 1
                 if not left[0]:
                     done.set()
 
     t0 = time.perf_counter()
-    for ids in prompts:
-        llm.engine.add_request(ids, params, adapter, on_output)
+    for i, ids in enumerate(prompts):
+        llm.engine.add_request(ids, params, adapter, lambda out, i=i: on_output(out, i))
     if not done.wait(1200):
         raise SystemExit("dark: generation did not finish")
     if errors:

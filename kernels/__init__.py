@@ -22,7 +22,19 @@ def available(device: torch.device) -> bool:
     return True
 
 
-_PDL: dict = {}
+_HOPPER: dict = {}
+
+
+def hopper(device: torch.device) -> bool:
+    """Whether `device` is a CUDA GPU of compute capability 9 or up (programmatic dependent launch, the bulk tensor
+    copy engine's descriptors), asked of the driver once a device."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _HOPPER:
+        _HOPPER[key] = torch.cuda.get_device_capability(key)[0] >= 9
+    return _HOPPER[key]
 
 
 _scope = threading.local()
@@ -57,10 +69,7 @@ def pdl(device: torch.device) -> dict:
     device = torch.device(device)
     if device.type != "cuda" or os.environ.get("DARK_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
         return {"PDL": False}
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _PDL:
-        _PDL[key] = torch.cuda.get_device_capability(key)[0] >= 9
-    return {"PDL": True, "launch_pdl": True} if _PDL[key] else {"PDL": False}
+    return {"PDL": True, "launch_pdl": True} if hopper(device) else {"PDL": False}
 
 
 try:

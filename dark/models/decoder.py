@@ -173,22 +173,14 @@ def project_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return _project(x, weight, bias, True)
 
 
-_HOPPER: dict = {}
-
-
 def _skinny_applies(x: torch.Tensor, weight: torch.Tensor, fused: bool) -> bool:
     """2-16 rows without autograd with the fused kernels on, on a GPU with the bulk tensor copy engine (compute
     capability 9 and up: where it read a decode step's weights faster than cuBLAS, bench/probe_reader_partition.py),
     when DARK_SKINNY=1. Off by default until the engine's decode steps with it are measured on the GPU
     (bench/ab_decode_env.py --env DARK_SKINNY=1)."""
-    if os.environ.get("DARK_SKINNY", "0") != "1":
+    if os.environ.get("DARK_SKINNY", "0") != "1" or not fused or torch.is_grad_enabled():
         return False
-    if not fused or x.dim() != 2 or not 2 <= x.shape[0] <= 16 or torch.is_grad_enabled() or x.device.type != "cuda":
-        return False
-    key = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if key not in _HOPPER:
-        _HOPPER[key] = torch.cuda.get_device_capability(key)[0] >= 9
-    return _HOPPER[key] and kernel_module("skinny").applies(x, weight)
+    return kernel_module().hopper(x.device) and kernel_module("skinny").applies(x, weight)
 
 
 def _gemv_applies(x: torch.Tensor, fused: bool) -> bool:
