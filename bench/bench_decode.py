@@ -342,6 +342,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from dark import OnlineLLM
+    from dark.models.decoder import kernel_module
 
     device = torch.device(args.device)
     if args.lora_micro:
@@ -384,7 +385,8 @@ def main() -> None:
         runner = llm.engine.runner
         published = False
         for mode in args.modes:
-            runner.set_fast(mode == "fast")
+            # "fast": the engine's own path, whose kernels exist only on CUDA (on a CPU both modes are plain torch)
+            runner.set_fast(mode == "fast" and kernel_module().available(device))
             label = "dark" if mode == "fast" else "dark, plain torch"
             fast0 = runner.fast_steps
             try:
