@@ -12,8 +12,10 @@ per tile, reset by that program) sums the tile's partial sums from a workspace a
 one launch and needs no zeroed buffer. skinny_reference is the plain-torch definition.
 
 The model's projections in passes without autograd on Hopper GPUs take it with DARK_SKINNY=1
-(dark.models.decoder._project, and SlotLoRA.extended's product over the extended weights); by default they stay on
-cuBLAS until the engine's decode steps with it have been measured on the GPU (bench/ab_decode_env.py).
+(dark.models.decoder._project, and SlotLoRA.extended's product over the extended weights). By default they stay on
+cuBLAS: in the engine's decode steps on an H100 it was 0.7-1.2% faster without an adapter and -2.2% to +0.5% with
+one (bench/ab_decode_env.py, bench/RESULTS.md 2026-12-07), and it is not yet measured there on the H200. Under
+programmatic dependent launch (decode steps) it waits for the kernel before it first thing.
 """
 from __future__ import annotations
 
@@ -28,10 +30,12 @@ try:
 except ImportError:
     triton = None
 
+from . import pdl
+
 BN, BK, STAGES, WARPS = 128, 128, 3, 4   # the best of five tilings at every partition size, H100 and H200 alike
 ROWS = 16                                # x's rows as the tensor cores take them (the smallest product width)
 MIN_CHUNKS = 4                           # BK-wide steps a program takes at least (a pipeline of 3 stages)
-PROGRAMS_PER_SM = 4
+PROGRAMS_PER_SM = 2                      # K splits aimed at (engine A/B, H100: 2 beat 4 and 8 by 2-4%)
 
 
 def skinny_reference(x, weight, bias=None):
@@ -118,16 +122,22 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _skinny_kernel[(triton.cdiv(N, BN), splits)](
         _descriptor(weight), x, bias if bias is not None else x, out, work, counters, M, N, K, x.stride(0),
         out.stride(0), CHUNKS=per, SPLITS=splits, HAS_BIAS=bias is not None, BN=BN, BK=BK, R=ROWS, STAGES=STAGES,
-        UPCAST=os.environ.get("TRITON_INTERPRET") == "1", num_warps=WARPS)
+        UPCAST=os.environ.get("TRITON_INTERPRET") == "1", num_warps=WARPS, **pdl(x.device))
     return out
 
 
 if triton is not None:
+    from . import wait_prior
 
     @triton.jit
     def _skinny_kernel(w_desc, x_ptr, b_ptr, out_ptr, work_ptr, count_ptr, M, N, K, stride_xm, stride_om,
                        CHUNKS: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
-                       BK: tl.constexpr, R: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr):
+                       BK: tl.constexpr, R: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr,
+                       PDL: tl.constexpr):
+        # under programmatic dependent launch (decode steps) x, the workspace and the counters may be the kernel
+        # before's: wait for it before anything (the weight's first tiles would be free to fetch, but the
+        # pipelined loop issues them with x's)
+        wait_prior(PDL)
         tile = tl.program_id(0)
         part = tl.program_id(1)
         n0 = tile * BN

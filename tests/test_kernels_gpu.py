@@ -526,6 +526,39 @@ def test_skinny_qwen_shapes(m, n, k, bias):
         assert rel_err(out.float(), ref()) < 1e-2
 
 
+def test_skinny_chain_under_dependent_launch():
+    """Eight rows through the MLP of Qwen2.5-7B as a decode step runs it with the skinny product (norm, gate/up,
+    silu, down, residual add and norm, twice), in a CUDA graph under programmatic dependent launch, replayed on new
+    inputs: bit for bit the ordinary launches. A skinny program reading x, or its tile's workspace and counter,
+    before the kernel before it finished would not be."""
+    from dark.kernels.norm_rope import add_rms_norm, rms_norm, silu_mul
+    from dark.kernels.skinny import skinny
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the copy engine's descriptors need Hopper")
+    g = torch.Generator(device="cuda").manual_seed(11)
+    hidden, inter = 3584, 18944
+    norm_w = torch.rand(hidden, device="cuda", generator=g).bfloat16() + 0.5
+    w_gu = (torch.randn(2 * inter, hidden, device="cuda", generator=g) * 0.02).bfloat16()
+    w_down = (torch.randn(hidden, inter, device="cuda", generator=g) * 0.02).bfloat16()
+
+    def chain(x):
+        h = rms_norm(x, norm_w, 1e-6)
+        for _ in range(2):
+            d = skinny(silu_mul(skinny(h, w_gu), inter), w_down)
+            h, x = add_rms_norm(x, d, norm_w, 1e-6)
+        return h
+
+    inputs = [torch.randn(8, hidden, device="cuda", generator=g).bfloat16() for _ in range(4)]
+    expected = [chain(x) for x in inputs]
+    static = inputs[0].clone()
+    graph, out = _graph_under_dependent_launch(chain, static)
+    for x, ref in zip(inputs, expected):
+        static.copy_(x)
+        graph.replay()
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
 def test_dependent_launch_chain_in_a_cuda_graph():
     """Programmatic dependent launch (each kernel starts while the one before finishes, and waits in-kernel for its
     writes): a chain of the decode kernels, each reading what the one before wrote, captured in a CUDA graph and

@@ -176,8 +176,8 @@ def project_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def _skinny_applies(x: torch.Tensor, weight: torch.Tensor, fused: bool) -> bool:
     """2-16 rows without autograd with the fused kernels on, on a GPU with the bulk tensor copy engine (compute
     capability 9 and up: where it read a decode step's weights faster than cuBLAS, bench/probe_reader_partition.py),
-    when DARK_SKINNY=1. Off by default until the engine's decode steps with it are measured on the GPU
-    (bench/ab_decode_env.py --env DARK_SKINNY=1)."""
+    when DARK_SKINNY=1. Off by default: within 1-2% of cuBLAS either way in the engine's decode steps on an H100
+    (bench/ab_decode_env.py --env DARK_SKINNY=1; bench/RESULTS.md 2026-12-07), not yet measured there on the H200."""
     if os.environ.get("DARK_SKINNY", "0") != "1" or not fused or torch.is_grad_enabled():
         return False
     return kernel_module().hopper(x.device) and kernel_module("skinny").applies(x, weight)
