@@ -526,6 +526,31 @@ def test_skinny_qwen_shapes(m, n, k, bias):
         assert rel_err(out.float(), ref()) < 1e-2
 
 
+def _mlp_weights(seed: int):
+    """A generator and the norm, gate/up and down_proj weights of a Qwen2.5-7B layer's MLP (random bf16)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hidden, inter = 3584, 18944
+    norm_w = torch.rand(hidden, device="cuda", generator=g).bfloat16() + 0.5
+    w_gu = (torch.randn(2 * inter, hidden, device="cuda", generator=g) * 0.02).bfloat16()
+    w_down = (torch.randn(hidden, inter, device="cuda", generator=g) * 0.02).bfloat16()
+    return g, norm_w, w_gu, w_down
+
+
+def _replays_match_ordinary_launches(chain, inputs) -> None:
+    """chain captured in a CUDA graph under programmatic dependent launch and replayed on each input gives bit for
+    bit what its ordinary launches give."""
+    from dark.kernels import pdl
+
+    assert not pdl(torch.device("cuda"))["PDL"]  # outside dependent_launch(): the kernels launch as usual
+    expected = [chain(x) for x in inputs]
+    static = inputs[0].clone()
+    graph, out = _graph_under_dependent_launch(chain, static)
+    for x, ref in zip(inputs, expected):
+        static.copy_(x)
+        graph.replay()
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
 def test_skinny_chain_under_dependent_launch():
     """Eight rows through the MLP of Qwen2.5-7B as a decode step runs it with the skinny product (norm, gate/up,
     silu, down, residual add and norm, twice), in a CUDA graph under programmatic dependent launch, replayed on new
@@ -536,27 +561,17 @@ def test_skinny_chain_under_dependent_launch():
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the copy engine's descriptors need Hopper")
-    g = torch.Generator(device="cuda").manual_seed(11)
-    hidden, inter = 3584, 18944
-    norm_w = torch.rand(hidden, device="cuda", generator=g).bfloat16() + 0.5
-    w_gu = (torch.randn(2 * inter, hidden, device="cuda", generator=g) * 0.02).bfloat16()
-    w_down = (torch.randn(hidden, inter, device="cuda", generator=g) * 0.02).bfloat16()
+    g, norm_w, w_gu, w_down = _mlp_weights(11)
 
     def chain(x):
         h = rms_norm(x, norm_w, 1e-6)
         for _ in range(2):
-            d = skinny(silu_mul(skinny(h, w_gu), inter), w_down)
+            d = skinny(silu_mul(skinny(h, w_gu), w_down.shape[1]), w_down)
             h, x = add_rms_norm(x, d, norm_w, 1e-6)
         return h
 
-    inputs = [torch.randn(8, hidden, device="cuda", generator=g).bfloat16() for _ in range(4)]
-    expected = [chain(x) for x in inputs]
-    static = inputs[0].clone()
-    graph, out = _graph_under_dependent_launch(chain, static)
-    for x, ref in zip(inputs, expected):
-        static.copy_(x)
-        graph.replay()
-        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    _replays_match_ordinary_launches(chain, [torch.randn(8, w_down.shape[0], device="cuda", generator=g).bfloat16()
+                                             for _ in range(4)])
 
 
 def test_dependent_launch_chain_in_a_cuda_graph():
@@ -568,12 +583,10 @@ def test_dependent_launch_chain_in_a_cuda_graph():
     from dark.kernels.gemv import gemv
     from dark.kernels.norm_rope import add_rms_norm, rms_norm, silu_mul
 
-    assert not pdl(torch.device("cuda"))["PDL"]  # outside dependent_launch(): the kernels launch as usual
-    g = torch.Generator(device="cuda").manual_seed(7)
-    hidden, inter = 3584, 18944
-    norm_w = torch.rand(hidden, device="cuda", generator=g).bfloat16() + 0.5
-    w_gu = (torch.randn(2 * inter, hidden, device="cuda", generator=g) * 0.02).bfloat16()
-    w_down = (torch.randn(hidden, inter, device="cuda", generator=g) * 0.02).bfloat16()
+    with dependent_launch():
+        assert pdl(torch.device("cuda")).get("launch_pdl") == (torch.cuda.get_device_capability()[0] >= 9)
+    g, norm_w, w_gu, w_down = _mlp_weights(7)
+    inter = w_down.shape[1]
 
     def chain(x):
         h = rms_norm(x, norm_w, 1e-6)
@@ -583,19 +596,8 @@ def test_dependent_launch_chain_in_a_cuda_graph():
             h, x = add_rms_norm(x, d, norm_w, 1e-6)
         return h
 
-    inputs = [torch.randn(1, hidden, device="cuda", generator=g).bfloat16() for _ in range(6)]
-    expected = [chain(x) for x in inputs]
-    static = inputs[0].clone()
-    graph = torch.cuda.CUDAGraph()
-    with dependent_launch():
-        assert pdl(torch.device("cuda")).get("launch_pdl") == (torch.cuda.get_device_capability()[0] >= 9)
-        chain(static)  # compiled outside the capture
-        with torch.cuda.graph(graph):
-            out = chain(static)
-    for x, ref in zip(inputs, expected):
-        static.copy_(x)
-        graph.replay()
-        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    _replays_match_ordinary_launches(chain, [torch.randn(1, w_down.shape[0], device="cuda", generator=g).bfloat16()
+                                             for _ in range(6)])
 
 
 def _graph_under_dependent_launch(fn, *args):
