@@ -49,8 +49,9 @@ def gemm_loop(stream, x, ws, out, n: int, every: int = 4) -> list:
     return events
 
 
-def tflops(gemms: int, ms: float) -> float:
-    return round(2 * M * K * N * gemms / (ms / 1000) / 1e12, 1)
+def tflops(gemms: int, ms: float, m: int = M, k: int = K, n: int = N) -> float:
+    """TFLOP/s of `gemms` [m, k] x [k, n] products in `ms` (default: the training step's shape)."""
+    return round(2 * m * k * n * gemms / (ms / 1000) / 1e12, 1)
 
 
 def gemm_alone(stream, x, ws, out, n: int = 60) -> float:
@@ -82,8 +83,8 @@ def together(dec_stream, gemm_stream, graph, x, ws, out, reps: int = 60, every: 
     at = [start.elapsed_time(e) for e in ev]
     inside = [t for t in at if 0 <= t <= window]
     covered = at[-1] >= window and at[0] <= 0
-    flops = 2 * x.shape[0] * x.shape[1] * ws[0].shape[0] * every * (len(inside) - 1)
-    rate = round(flops / ((inside[-1] - inside[0]) / 1000) / 1e12, 1) if len(inside) > 2 else None
+    rate = (tflops(every * (len(inside) - 1), inside[-1] - inside[0], *x.shape, ws[0].shape[0])
+            if len(inside) > 2 else None)
     return {"decode_ms": round(window / reps, 3), "gemm_tflops": rate, "gemms_outlast_decode": covered}
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 
@@ -35,6 +36,20 @@ def hopper(device: torch.device) -> bool:
     if key not in _HOPPER:
         _HOPPER[key] = torch.cuda.get_device_capability(key)[0] >= 9
     return _HOPPER[key]
+
+
+# SMs assumed where the device cannot be asked (the CPU interpreter): the H100's and H200's count, so the tests
+# there take the tilings the GPU takes
+DEFAULT_SMS = 132
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device, asked of the driver once; DEFAULT_SMS elsewhere."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_SMS
 
 
 _scope = threading.local()

@@ -53,7 +53,7 @@ import os
 
 import torch
 
-from . import pdl
+from . import pdl, sm_count
 
 try:
     import triton
@@ -352,19 +352,11 @@ def _expand(h, h_strides, parts: int, br: int, B, token_slots, y, rank: int, spl
 # measured faster than the fused kernel in the same run: batch 1 with an adapter 0.813 vs 0.745 of the base step,
 # 64 sequences over 32 adapters 0.762 vs 0.607 (the fused programs' repeated shrinks are the critical path)
 FUSED = os.environ.get("DARK_LORA_FUSED", "0") == "1"
-# the fused kernel's tiling (_fused_grid): SMs of the chip when it cannot be asked (the CPU interpreter; H200: 132),
-# how many programs streaming A at once fill L2's bandwidth (the repeated shrinks' cost), and the bytes of the A tile
-# of one K step (bf16: BK = 512 for one member, 256 for gate/up, 128 for q/k/v)
-FUSED_SMS = 132
+# the fused kernel's tiling (_fused_grid): how many programs streaming A at once fill L2's bandwidth (the repeated
+# shrinks' cost), and the bytes of the A tile of one K step (bf16: BK = 512 for one member, 256 for gate/up, 128 for
+# q/k/v)
 FUSED_L2_PROGRAMS = 48
 FUSED_TILE = 16384
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return FUSED_SMS
 
 
 @functools.lru_cache(maxsize=4096)
@@ -414,7 +406,7 @@ def lora_fused(x, y, A, B, token_slots, rank: int, splits=None, stride: int = 0,
     n_tiles = triton.cdiv(N, block_n)
     if tiles is None:
         per_row = min(BLOCK_T, triton.cdiv(T, rows))
-        _, tiles = _fused_grid(rows, per_row, K, N, block_n, rank, members, x.element_size(), _sm_count(x.device),
+        _, tiles = _fused_grid(rows, per_row, K, N, block_n, rank, members, x.element_size(), sm_count(x.device),
                                FUSED_L2_PROGRAMS)
     tiles = max(1, min(tiles, n_tiles))
     _fused_kernel[(rows, triton.cdiv(n_tiles, tiles))](

@@ -30,7 +30,7 @@ try:
 except ImportError:
     triton = None
 
-from . import pdl
+from . import pdl, sm_count
 
 BN, BK, STAGES, WARPS = 128, 128, 3, 4   # the best of five tilings at every partition size, H100 and H200 alike
 ROWS = 16                                # x's rows as the tensor cores take them (the smallest product width)
@@ -62,17 +62,7 @@ def plan(n: int, k: int, sms: int) -> tuple[int, int]:
 
 
 _WORK: dict = {}
-_SMS: dict = {}
 _DESC: dict = {}
-
-
-def _sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the CPU interpreter: the H100's and H200's count, so the tests take the same plans
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _SMS:
-        _SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
-    return _SMS[key]
 
 
 def _workspace(device: torch.device, n: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +106,7 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x = x.contiguous()
     M, K = x.shape
     N = weight.shape[0]
-    per, splits = plan(N, K, _sms(x.device))
+    per, splits = plan(N, K, sm_count(x.device))
     work, counters = _workspace(x.device, N, splits) if splits > 1 else (x, x)  # one program a tile: no sums
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     _skinny_kernel[(triton.cdiv(N, BN), splits)](

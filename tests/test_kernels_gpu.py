@@ -503,9 +503,10 @@ def test_gemv_qwen_shapes(n, k, bias):
 def test_skinny_qwen_shapes(m, n, k, bias):
     """The decode projections of Qwen2.5-7B at 2-16 sequences through the skinny product, eager and replayed twice
     in a CUDA graph on new inputs (the tiles' counters must be back at zero after every call)."""
+    from dark.kernels import hopper
     from dark.kernels.skinny import skinny
 
-    if torch.cuda.get_device_capability()[0] < 9:
+    if not hopper(torch.device("cuda")):
         pytest.skip("the copy engine's descriptors need Hopper")
     g = torch.Generator(device="cuda").manual_seed(n + m)
     x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
@@ -557,9 +558,10 @@ def test_skinny_chain_under_dependent_launch():
     inputs: bit for bit the ordinary launches. A skinny program reading x, or its tile's workspace and counter,
     before the kernel before it finished would not be."""
     from dark.kernels.norm_rope import add_rms_norm, rms_norm, silu_mul
+    from dark.kernels import hopper
     from dark.kernels.skinny import skinny
 
-    if torch.cuda.get_device_capability()[0] < 9:
+    if not hopper(torch.device("cuda")):
         pytest.skip("the copy engine's descriptors need Hopper")
     g, norm_w, w_gu, w_down = _mlp_weights(11)
 
