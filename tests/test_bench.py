@@ -18,14 +18,20 @@ LINES = ["decode_bs1_tok_s", "decode_bs1_adapter_tok_s", "multi_adapter_ratio", 
 BASELINES = ["hf_decode_bs1_tok_s", "hf_decode_bs1_adapter_tok_s", "hf_offline_tok_s", "hf_train_tok_s"]
 
 
+def run_tiny(script: str, tmp_path: Path, tokenizer: Path, *args: str) -> None:
+    """bench/<script> at tiny shapes on the CPU as a user runs it: no Triton interpreter (conftest sets one for the
+    kernels' own tests), so no Triton kernel may run on the CPU; fails with the end of its stderr."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DARK_HOME": str(tmp_path / "home")}
+    env.pop("TRITON_INTERPRET", None)
+    command = [sys.executable, f"bench/{script}", "--tiny", "--device", "cpu", "--tokenizer", str(tokenizer), *args]
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def test_run_all_measures_every_line_and_writes_the_issue_keys(tmp_path, tokenizer_source):
     latest, results = tmp_path / "latest.json", tmp_path / "RESULTS.md"
     results.write_text("# Results\n\nan earlier run's section, kept\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "DARK_HOME": str(tmp_path / "home")}
-    proc = subprocess.run([sys.executable, "bench/run_all.py", "--tiny", "--device", "cpu", "--tokenizer",
-                           str(tokenizer_source), "--json", str(latest), "--results", str(results)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_tiny("run_all.py", tmp_path, tokenizer_source, "--json", str(latest), "--results", str(results))
 
     report = json.loads(latest.read_text())
     assert report["errors"] == [], report["errors"]
@@ -49,13 +55,8 @@ def test_bench_decode_runs_dark_and_the_baselines_at_tiny_shapes(tmp_path, token
     """bench/bench_decode.py's smoke test as its docstring gives it (`--tiny --device cpu`), shortened: dark's rows
     (its default path: plain torch on a CPU) and Hugging Face's, with and without an adapter."""
     out = tmp_path / "decode.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "DARK_HOME": str(tmp_path / "home")}
-    env.pop("TRITON_INTERPRET", None)  # as a user runs it: no interpreter, so no Triton kernel may run on the CPU
-    proc = subprocess.run([sys.executable, "bench/bench_decode.py", "--tiny", "--device", "cpu", "--tokenizer",
-                           str(tokenizer_source), "--batch", "1", "2", "--new-tokens", "8", "--lora-new-tokens", "8",
-                           "--repeats", "1", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_tiny("bench_decode.py", tmp_path, tokenizer_source, "--batch", "1", "2", "--new-tokens", "8",
+             "--lora-new-tokens", "8", "--repeats", "1", "--out", str(out))
     rows = {(r["system"], r["batch"]): r for r in json.loads(out.read_text())["results"]}
     assert set(rows) == {("dark", 1), ("dark", 2), ("dark (no adapter)", 1), ("dark + LoRA r16", 1),
                          ("HF generate", 1), ("HF generate", 2), ("HF generate (no adapter)", 1),
