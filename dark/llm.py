@@ -47,6 +47,17 @@ class Completion:
     logprobs: list[float] | None = None
 
 
+def processor_chat_template(folder: Path) -> str | None:
+    """The chat template a multimodal model's processor keeps beside the tokenizer (chat_template.json, as a
+    Qwen2.5-VL folder saved by its processor may have it), which AutoTokenizer does not read; None without one."""
+    path = Path(folder) / "chat_template.json"
+    try:
+        template = json.loads(path.read_text()).get("chat_template") if path.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return template if isinstance(template, str) and template.strip() else None
+
+
 def pick_device(device: str) -> torch.device:
     if device:
         return torch.device(device)
@@ -77,6 +88,8 @@ class OnlineLLM:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        if not self.tokenizer.chat_template:
+            self.tokenizer.chat_template = processor_chat_template(self.model_path)
         if not self.tokenizer.chat_template:
             raise InvalidRequestError(f"the tokenizer of {self.model_name} has no chat template; dark needs an instruct/chat model")
         log.info("loading %s onto %s (%s)", self.model_name, device, dtype)
@@ -157,7 +170,8 @@ class OnlineLLM:
             messages = prompt
             for m in messages:
                 if m.get("role") not in ("system", "user", "assistant", "tool") or not isinstance(m.get("content", ""), str):
-                    raise InvalidRequestError(f"a message needs a role (system, user, assistant or tool) and string content; got {m!r}")
+                    raise InvalidRequestError(f"a message needs a role (system, user, assistant or tool) and string content "
+                                              f"(dark serves text: no images); got {m!r}")
         else:
             raise InvalidRequestError(f"a prompt is a string or a list of message dicts, not {type(prompt).__name__}")
         if not messages:

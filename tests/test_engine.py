@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from conftest import hf_class
 from dark import OnlineLLM
 from dark.engine.attention import DenseCausalAttention
 
@@ -52,12 +53,14 @@ def run_ragged(llm: OnlineLLM, prompts: list[str], steps: int = STEPS, join_afte
     return results
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "qwen2_5_vl"])
 def family_pair(request, tiny_models):
     path = tiny_models[request.param]
     # a small block size and token budget, so prefill runs in chunks across blocks
     llm = OnlineLLM(str(path), block_size=8, max_num_batched_tokens=24, max_num_seqs=4)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # Qwen2.5-VL: the whole vision-language model in transformers (its M-RoPE over text-only positions), against
+    # dark's Qwen2 decoder without the vision tower
+    hf = hf_class(request.param).from_pretrained(path, dtype=torch.float32).eval()
     yield request.param, llm, hf
     llm.close()
 

@@ -235,7 +235,9 @@ class Learner:
         """Make `weights` version `version` of adapter `name`: saved, recorded, then served to new requests.
         marks (a job's timings): gets the clock times at which the version was saved and published."""
         path = self.version_dir(name, version)
-        weights.save(path, base_model=self.llm.model_name)   # on disk before anyone can ask for it
+        mc = self.llm.model.config
+        # on disk before anyone can ask for it; named as PEFT names the modules of the base model's transformers class
+        weights.save(path, base_model=self.llm.model_name, backbone=mc.hf_backbone, exclude_modules=mc.hf_skipped)
         if marks is not None:
             marks["written"] = time.perf_counter()
         self.store.add_adapter_version(name, version, str(path), parent_version=parent, report=report)

