@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import hf_class
+from conftest import hf_class, make_tiny
 from dark import OnlineLLM
 from dark.engine.attention import DenseCausalAttention
 
@@ -83,6 +83,28 @@ def test_greedy_ragged_batch_matches_hf(family_pair):
         assert out.output_ids == tokens, f"{family}: greedy tokens differ for {prompt!r}"
         assert out.finish_reason == "length" and out.completion_tokens == STEPS
         torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(logprobs), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family,rope", [
+    ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}),
+    # Qwen2.5-VL's long-context setting: yarn over the M-RoPE sections
+    ("qwen2_5_vl", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                    "mrope_section": [2, 3, 3]}),
+])
+def test_scaled_rotary_matches_hf(tokenizer_source, tmp_path, family, rope):
+    """Rotary variants transformers computes (llama3, yarn) load (their frequencies were once computed on the meta
+    device the model is built on, and failed) and give transformers' logits past the original context."""
+    from dark.models.decoder import load_model
+
+    path = make_tiny(family, tmp_path / family, tokenizer_source, rope_scaling=rope)
+    ids = list(range(1000, 1200))
+    with torch.no_grad():
+        ref = hf_class(family).from_pretrained(path, dtype=torch.float32).eval()(torch.tensor([ids])).logits[0]
+        model = load_model(path, torch.device("cpu"), torch.float32)
+        ours = model.logits(model.hidden_states(torch.tensor(ids), torch.arange(len(ids)), DenseCausalAttention(1, len(ids))))
+    assert model.rotary.scale != 1.0 or family == "llama"
+    torch.testing.assert_close(ours, ref.float(), atol=1e-4, rtol=1e-4)
 
 
 def check_decode_ahead(llm: OnlineLLM, mode: str, steps: int = 21, prompts: list[str] = PROMPTS) -> None:

@@ -393,7 +393,11 @@ class Rotary(nn.Module):
         else:  # llama3, yarn, linear, ...: transformers knows the formulas
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+            if rope_type not in ROPE_INIT_FUNCTIONS:
+                raise ModelLoadError(f"rope type {rope_type!r} of this {cfg.family} model is not supported; "
+                                     f"transformers knows default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
+            with torch.device("cpu"):  # computed values, also while CausalLM is built on the meta device (load_model)
+                inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.scale = float(scale)
 
