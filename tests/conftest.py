@@ -29,37 +29,39 @@ def smollm_path() -> Path:
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=49152, max_position_embeddings=512)
-# Qwen2.5-VL's vision tower, as small as it builds: dark never loads it, but its weights are in the checkpoint
-TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                   fullatt_block_indexes=[0], window_size=28)
+# the vision towers, as small as they build: dark never loads them, but their weights are in the checkpoints
+TINY_VISION = {"qwen2_5_vl": dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                  fullatt_block_indexes=[0], window_size=28),
+               "qwen2_vl": dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2)}
 # its M-RoPE: the three sections (temporal, height, width) split head_dim // 2 = 8 rotary frequencies
 TINY_MROPE = {"type": "mrope", "mrope_section": [2, 3, 3]}
 
 
 def hf_class(family: str):
-    """The transformers class of a family's checkpoints (Qwen2.5-VL's is no AutoModelForCausalLM)."""
+    """The transformers class of a family's checkpoints (Qwen2-VL's and Qwen2.5-VL's are no AutoModelForCausalLM)."""
     import transformers
 
-    return transformers.AutoModelForImageTextToText if family == "qwen2_5_vl" else transformers.AutoModelForCausalLM
+    return transformers.AutoModelForImageTextToText if family in TINY_VISION else transformers.AutoModelForCausalLM
 
 
 def make_tiny(family: str, folder: Path, tokenizer_from: Path, seed: int = 0, **overrides) -> Path:
     """Save a tiny random model of a family, with the SmolLM2 tokenizer, as a Hugging Face folder (save_pretrained's
-    defaults). A Qwen2.5-VL gets the overrides in its text_config, but tie_word_embeddings, and a tiny vision tower."""
+    defaults). A Qwen2(.5)-VL gets the overrides in its text_config, but tie_word_embeddings, and a tiny vision tower."""
     import transformers
     from transformers import AutoTokenizer
 
     cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+           "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
            "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration")}[family]
     cls = tuple(getattr(transformers, name) for name in cls)
     extra = {"head_dim": 16} if family == "qwen3" else {}
     tok = AutoTokenizer.from_pretrained(tokenizer_from)
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    if family == "qwen2_5_vl":
+    if family in TINY_VISION:
         tie = overrides.pop("tie_word_embeddings", False)
         cfg = cls[0](text_config={**TINY, "rope_scaling": dict(TINY_MROPE), **overrides, **ids},
-                     vision_config=TINY_VISION, tie_word_embeddings=tie)
+                     vision_config=TINY_VISION[family], tie_word_embeddings=tie)
     else:
         cfg = cls[0](**{**TINY, **extra, **overrides}, **ids)
     torch.manual_seed(seed)
@@ -92,6 +94,7 @@ def tiny_models(tmp_path_factory, tokenizer_source) -> dict[str, Path]:
         "llama": make_tiny("llama", root / "llama", tokenizer_source, tie_word_embeddings=True),
         "qwen2": make_tiny("qwen2", root / "qwen2", tokenizer_source, tie_word_embeddings=False),
         "qwen3": make_tiny("qwen3", root / "qwen3", tokenizer_source, tie_word_embeddings=False),
+        "qwen2_vl": make_tiny("qwen2_vl", root / "qwen2_vl", tokenizer_source, tie_word_embeddings=True),
         "qwen2_5_vl": make_tiny("qwen2_5_vl", root / "qwen2_5_vl", tokenizer_source, tie_word_embeddings=False),
     }
 

@@ -53,7 +53,7 @@ def run_ragged(llm: OnlineLLM, prompts: list[str], steps: int = STEPS, join_afte
     return results
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl"])
 def family_pair(request, tiny_models):
     path = tiny_models[request.param]
     # a small block size and token budget, so prefill runs in chunks across blocks

@@ -1,4 +1,4 @@
-"""Qwen2.5-VL on text: its language model runs in dark's Qwen2 decoder, its vision tower is never read.
+"""Qwen2.5-VL (and Qwen2-VL) on text: the language model runs in dark's Qwen2 decoder, the vision tower is never read.
 
 Logits and greedy tokens against transformers' Qwen2_5_VLForConditionalGeneration are the family tests of
 test_engine.py (tiny_models["qwen2_5_vl"], saved by save_pretrained). Here: M-RoPE on a text prompt against 1-D
@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Config
+from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Config
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding
 
@@ -102,7 +102,7 @@ def dark_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 def hf_logits(folder: Path, ids: list[int]) -> torch.Tensor:
-    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    hf = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0].float()
 
@@ -137,13 +137,15 @@ def test_text_positions_are_one_position_in_all_three_sections(tiny_models):
     assert (image[0] - equal[0]).abs().max() > 0.5
 
 
-@pytest.mark.parametrize("layout,tied", [("hub", False), ("hub", True), ("language_model", False)])
-def test_checkpoint_layouts_give_the_same_logits(tiny_models, tokenizer_source, tmp_path, layout, tied):
+@pytest.mark.parametrize("family,layout,tied", [("qwen2_5_vl", "hub", False), ("qwen2_5_vl", "hub", True),
+                                                ("qwen2_5_vl", "language_model", False), ("qwen2_vl", "hub", True),
+                                                ("qwen2_vl", "language_model", False)])
+def test_checkpoint_layouts_give_the_same_logits(tiny_models, tokenizer_source, tmp_path, family, layout, tied):
     """The same weights in the original hub layout (top-level text config, model.layers.*, visual.*) and in
-    transformers 5's own names (model.language_model.*, model.visual.*), with the head untied (7B) and tied (3B): the
-    config reads the same, the logits match transformers' on that folder, the vision shard is never opened."""
-    src = tiny_models["qwen2_5_vl"] if not tied else make_tiny("qwen2_5_vl", tmp_path / "src", tokenizer_source,
-                                                                seed=1, tie_word_embeddings=True)
+    transformers 5's own names (model.language_model.*, model.visual.*), with the head untied (7B) and tied (3B), of
+    a Qwen2.5-VL and a Qwen2-VL: the config reads the same, the logits match transformers' on that folder, the vision
+    shard is never opened."""
+    src = make_tiny(family, tmp_path / "src", tokenizer_source, seed=1, tie_word_embeddings=tied)
     folder = relayout(src, tmp_path / layout, layout)
     ids = AutoTokenizer.from_pretrained(src)(PROMPT)["input_ids"]
     ref = hf_logits(folder, ids)  # transformers reads this folder as a Qwen2.5-VL checkpoint
@@ -160,13 +162,13 @@ def test_checkpoint_layouts_give_the_same_logits(tiny_models, tokenizer_source, 
     assert torch.equal(ours, dark_logits(load_model(src, torch.device("cpu"), torch.float32), ids))
 
 
-@pytest.mark.parametrize("case", ["qwen2_vl", "no_text_weights", "stray_tensor"])
+@pytest.mark.parametrize("case", ["qwen3_vl", "no_text_weights", "stray_tensor"])
 def test_unsupported_folders_say_what_is_wrong(tiny_models, tmp_path, case):
     folder = relayout(tiny_models["qwen2_5_vl"], tmp_path / "m", "language_model")
-    if case == "qwen2_vl":  # Qwen2-VL's config: not a family dark runs
+    if case == "qwen3_vl":  # Qwen3-VL's model type: not a family dark runs
         config = json.loads((folder / "config.json").read_text())
-        (folder / "config.json").write_text(json.dumps({**config, "model_type": "qwen2_vl"}))
-        match = "model type 'qwen2_vl' .* not supported; dark runs llama, qwen2, qwen3, qwen2_5_vl"
+        (folder / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_vl"}))
+        match = "model type 'qwen3_vl' .* not supported; dark runs llama, qwen2, qwen3, qwen2_vl, qwen2_5_vl"
     elif case == "no_text_weights":  # only the vision tower's shard in the index
         index = json.loads((folder / "model.safetensors.index.json").read_text())
         index["weight_map"] = {n: f for n, f in index["weight_map"].items() if "visual." in n}

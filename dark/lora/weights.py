@@ -21,10 +21,10 @@ log = logging.getLogger(__name__)
 Key = tuple[int, str]  # (layer index, module name); the LM head is (-1, "lm_head")
 
 # a factor's name as PEFT saves it: base_model.model.<the language model's path>.layers.N.(self_attn|mlp).<module>, the
-# path being model (Llama, Qwen2, Qwen3) or model.language_model (Qwen2.5-VL in transformers 5), or lm_head
+# path being model (Llama, Qwen2, Qwen3) or model.language_model (Qwen2-VL, Qwen2.5-VL in transformers 5), or lm_head
 _PEFT_NAME = re.compile(r"^base_model\.model\.(?:model\.(?:language_model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.)?(\w+)"
                         r"\.lora_([AB])(?:\.default)?\.weight$")
-# factors of a vision tower (a Qwen2.5-VL adapter trained with PEFT on gate/up/down_proj, which adapts the vision
+# factors of a vision tower (a Qwen2(.5)-VL adapter trained with PEFT on gate/up/down_proj, which adapts the vision
 # MLP's too): dark serves text, and a text prompt never runs them
 _VISION_FACTOR = re.compile(r"^base_model\.model\.(?:model\.)?visual\.")
 
@@ -61,8 +61,8 @@ class AdapterWeights:
         """Write a PEFT-compatible folder atomically: a temporary folder beside it, then one rename.
 
         backbone: the language model's module path in the base model's transformers class, which PEFT names the
-        factors by (ModelConfig.hf_backbone: "model", or "model.language_model" for Qwen2.5-VL); exclude_modules: a
-        regex of that class's modules PEFT must not adapt (ModelConfig.hf_skipped: Qwen2.5-VL's vision tower, whose
+        factors by (ModelConfig.hf_backbone: "model", or "model.language_model" for Qwen2(.5)-VL); exclude_modules: a
+        regex of that class's modules PEFT must not adapt (ModelConfig.hf_skipped: a Qwen2(.5)-VL vision tower, whose
         MLP has gate/up/down projections of the same names)."""
         folder = Path(folder)
         folder.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
-"""One decoder for the Llama, Qwen2/2.5 and Qwen3 families, with per-family switches; Qwen2.5-VL's language model
-runs as a Qwen2 (text only: its vision tower is neither built nor read).
+"""One decoder for the Llama, Qwen2/2.5 and Qwen3 families, with per-family switches; Qwen2-VL's and Qwen2.5-VL's language
+models run as a Qwen2 (text only: their vision tower is neither built nor read).
 
 Parameter names mirror Hugging Face's (`model.layers.0.self_attn.q_proj.weight`), so checkpoints load as
 they are. The forward pass works on a flat list of tokens from many sequences; how attention finds each
@@ -28,17 +28,19 @@ from torch import nn
 from ..errors import ModelLoadError
 from . import train_layer
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_5_vl")
-# model types whose language model is another family's decoder: Qwen2.5-VL's is Qwen2's (same layers, QKV bias; its
-# M-RoPE gives a text-only prompt the same position in all three sections, which is the 1-D rotary of Qwen2)
-TEXT_DECODER = {"qwen2_5_vl": "qwen2"}
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl")
+# model types whose language model is another family's decoder: Qwen2-VL's and Qwen2.5-VL's are Qwen2's (same layers,
+# QKV bias; their M-RoPE gives a text-only prompt the same position in all three sections, which is the 1-D rotary of
+# Qwen2)
+VISION_LANGUAGE = ("qwen2_vl", "qwen2_5_vl")
+TEXT_DECODER = {family: "qwen2" for family in VISION_LANGUAGE}
 # checkpoint tensors of a model type that dark does not load (the vision tower): skipped without being read.
-# Qwen2.5-VL's hub checkpoints keep it under visual.*, transformers 5's own layout under model.visual.*
-SKIPPED_TENSORS = {"qwen2_5_vl": ("visual.", "model.visual.")}
+# Qwen2(.5)-VL's hub checkpoints keep it under visual.*, transformers 5's own layout under model.visual.*
+SKIPPED_TENSORS = {family: ("visual.", "model.visual.") for family in VISION_LANGUAGE}
 # where transformers 5 keeps the language model in the model class of a type (a checkpoint saved with
 # save_original_format=False uses these names; PEFT names an adapter's tensors by them): model.language_model.layers.0
 # of a Qwen2.5-VL is dark's model.layers.0
-HF_BACKBONE = {"qwen2_5_vl": "model.language_model"}
+HF_BACKBONE = {family: "model.language_model" for family in VISION_LANGUAGE}
 
 
 def kernel_module(name: str | None = None):
@@ -123,8 +125,9 @@ class ModelConfig:
         hf = outer.get_text_config() if family in TEXT_DECODER else outer
         decoder = TEXT_DECODER.get(family, family)
         heads = hf.num_attention_heads
-        if family == "qwen2_5_vl":
-            # its attention takes hidden_size // heads whatever the config says (transformers' Qwen2_5_VLAttention)
+        if family in VISION_LANGUAGE:
+            # their attention takes hidden_size // heads whatever the config says (transformers' Qwen2_5_VLAttention,
+            # Qwen2VLAttention)
             if hf.hidden_size % heads:
                 raise ModelLoadError(f"{path}: hidden_size {hf.hidden_size} is not a multiple of the "
                                      f"{heads} attention heads")

@@ -348,7 +348,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     except Exception as e:
         raise ModelLoadError(
             f"cannot read GGUF file {gguf} ({_one_line(e)}); transformers reads GGUF files of the llama, "
-            f"qwen2 and qwen3 families (among others), not Qwen2.5-VL's (llama.cpp's qwen2vl). Pass a folder with "
+            f"qwen2 and qwen3 families (among others), not Qwen2(.5)-VL's (llama.cpp's qwen2vl). Pass a folder with "
             f"config.json + *.safetensors (or a Hugging Face model id) instead"
         ) from e
     log.info("read %s in %.1f s", gguf.name, time.monotonic() - t0)
