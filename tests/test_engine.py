@@ -107,6 +107,26 @@ def test_scaled_rotary_matches_hf(tokenizer_source, tmp_path, family, rope):
     torch.testing.assert_close(ours, ref.float(), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("theta,hidden,heads", [(1e6, 3584, 28), (1e4, 576, 9), (5e5, 4096, 32)])
+def test_default_rotary_is_transformers_bit_for_bit(theta, hidden, heads):
+    """The plain rotary's cos and sin, at the shapes of Qwen2.5-7B, SmolLM2 and Llama 3, equal transformers' to the
+    bit up to position 32k (its frequencies in fp32 as transformers computes them; exact ones differ by an ulp, which
+    was ~2e-3 of angle at 32k)."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+    from dark.models.decoder import Rotary
+
+    config = Qwen2Config(hidden_size=hidden, num_attention_heads=heads, rope_theta=theta)
+    ours = Rotary(SimpleNamespace(hf_config=config, head_dim=hidden // heads, family="qwen2"))
+    positions = torch.arange(32768)
+    cos, sin = Qwen2RotaryEmbedding(config)(torch.zeros(1), positions[None])
+    got_cos, got_sin = ours(positions, torch.float32)
+    assert torch.equal(got_cos, cos[0]) and torch.equal(got_sin, sin[0])
+
+
 def check_decode_ahead(llm: OnlineLLM, mode: str, steps: int = 21, prompts: list[str] = PROMPTS) -> None:
     """Decode steps launched ahead (runner.lookahead = mode) against steps launched one after the other: the same
     tokens and log-probabilities on a ragged batch (sequences joining, crossing cache blocks, ending: the step after

@@ -391,7 +391,9 @@ class Rotary(nn.Module):
         if rope_type == "default":
             theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
             dim = int(cfg.head_dim * params.get("partial_rotary_factor", 1.0))
-            inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+            # in fp32 as transformers (and vLLM) compute it: the model's makers checked its logits that way; the exact
+            # values differ by an ulp, ~2e-3 of angle at position 32k
+            inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
             scale = 1.0
         else:  # llama3, yarn, linear, ...: transformers knows the formulas
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
