@@ -1,5 +1,5 @@
 """Shared fixtures: the embedded SmolLM2 (converted once per session) and tiny random models of each family
-(Llama, Qwen2, Qwen3, and Qwen2.5-VL, whose language model dark runs as a Qwen2)."""
+(Llama, Qwen2, Qwen3, and Qwen2-VL and Qwen2.5-VL, whose language model dark runs as a Qwen2)."""
 from __future__ import annotations
 
 import os

@@ -58,7 +58,7 @@ def family_pair(request, tiny_models):
     path = tiny_models[request.param]
     # a small block size and token budget, so prefill runs in chunks across blocks
     llm = OnlineLLM(str(path), block_size=8, max_num_batched_tokens=24, max_num_seqs=4)
-    # Qwen2.5-VL: the whole vision-language model in transformers (its M-RoPE over text-only positions), against
+    # Qwen2(.5)-VL: the whole vision-language model in transformers (its M-RoPE over text-only positions), against
     # dark's Qwen2 decoder without the vision tower
     hf = hf_class(request.param).from_pretrained(path, dtype=torch.float32).eval()
     yield request.param, llm, hf

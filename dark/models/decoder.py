@@ -29,18 +29,16 @@ from ..errors import ModelLoadError
 from . import train_layer
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl")
-# model types whose language model is another family's decoder: Qwen2-VL's and Qwen2.5-VL's are Qwen2's (same layers,
-# QKV bias; their M-RoPE gives a text-only prompt the same position in all three sections, which is the 1-D rotary of
-# Qwen2)
-VISION_LANGUAGE = ("qwen2_vl", "qwen2_5_vl")
-TEXT_DECODER = {family: "qwen2" for family in VISION_LANGUAGE}
-# checkpoint tensors of a model type that dark does not load (the vision tower): skipped without being read.
-# Qwen2(.5)-VL's hub checkpoints keep it under visual.*, transformers 5's own layout under model.visual.*
-SKIPPED_TENSORS = {family: ("visual.", "model.visual.") for family in VISION_LANGUAGE}
-# where transformers 5 keeps the language model in the model class of a type (a checkpoint saved with
-# save_original_format=False uses these names; PEFT names an adapter's tensors by them): model.language_model.layers.0
-# of a Qwen2.5-VL is dark's model.layers.0
-HF_BACKBONE = {family: "model.language_model" for family in VISION_LANGUAGE}
+# vision-language model types whose language model is another family's decoder: Qwen2-VL's and Qwen2.5-VL's are
+# Qwen2's (same layers, QKV bias; their M-RoPE gives a text-only prompt the same position in all three sections, which
+# is the 1-D rotary of Qwen2)
+TEXT_DECODER = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2"}
+# their vision tower's checkpoint tensors, which dark skips without reading: under visual.* in the hub's checkpoints,
+# model.visual.* in transformers 5's own layout
+VISION_TENSORS = ("visual.", "model.visual.")
+# where transformers 5 keeps their language model (a checkpoint saved with save_original_format=False uses these
+# names; PEFT names an adapter's tensors by them): model.language_model.layers.0 there is dark's model.layers.0
+LANGUAGE_MODEL = "model.language_model"
 
 
 def kernel_module(name: str | None = None):
@@ -82,23 +80,23 @@ class ModelConfig:
     def hf_backbone(self) -> str:
         """The language model's module path in the transformers model of this family (model.layers.0 here is
         <hf_backbone>.layers.0 there): PEFT names an adapter's tensors by it."""
-        return HF_BACKBONE.get(self.family, "model")
+        return LANGUAGE_MODEL if self.family in TEXT_DECODER else "model"
 
     @property
     def hf_skipped(self) -> str | None:
-        """A regex of the transformers model's modules that dark does not build (Qwen2.5-VL's vision tower), for an
-        exported adapter's exclude_modules: PEFT would otherwise put LoRA layers on the vision MLP's gate/up/down
+        """A regex of the transformers model's modules that dark does not build (a Qwen2(.5)-VL's vision tower), for
+        an exported adapter's exclude_modules: PEFT would otherwise put LoRA layers on the vision MLP's gate/up/down
         projections too; None when there are none."""
-        skipped = SKIPPED_TENSORS.get(self.family)
-        return None if not skipped else "|".join(re.escape(p) + ".*" for p in skipped)
+        return "|".join(re.escape(p) + ".*" for p in VISION_TENSORS) if self.family in TEXT_DECODER else None
 
     def checkpoint_name(self, name: str) -> str | None:
         """The parameter a checkpoint tensor fills (its name here), or None for a tensor dark does not load."""
-        if name.startswith(SKIPPED_TENSORS.get(self.family, ())):
+        if self.family not in TEXT_DECODER:
+            return name
+        if name.startswith(VISION_TENSORS):
             return None
-        backbone = HF_BACKBONE.get(self.family)
-        if backbone and name.startswith(backbone + "."):
-            return "model." + name[len(backbone) + 1:]
+        if name.startswith(LANGUAGE_MODEL + "."):
+            return "model." + name[len(LANGUAGE_MODEL) + 1:]
         return name
 
     @classmethod
@@ -119,13 +117,13 @@ class ModelConfig:
             outer = AutoConfig.from_pretrained(folder)
         except Exception as e:  # transformers raises many kinds for a config it cannot use
             raise ModelLoadError(f"transformers cannot read {path} as a {family} config: {e}") from e
-        # Qwen2.5-VL: the language model's parameters are its text_config, both where the file nests them (as
+        # Qwen2(.5)-VL: the language model's parameters are its text_config, both where the file nests them (as
         # transformers 5 writes it) and where they sit at the top level (the original hub layout: transformers
         # moves them into text_config as it reads); the head's tie stays on the outer config
         hf = outer.get_text_config() if family in TEXT_DECODER else outer
         decoder = TEXT_DECODER.get(family, family)
         heads = hf.num_attention_heads
-        if family in VISION_LANGUAGE:
+        if family in TEXT_DECODER:
             # their attention takes hidden_size // heads whatever the config says (transformers' Qwen2_5_VLAttention,
             # Qwen2VLAttention)
             if hf.hidden_size % heads:

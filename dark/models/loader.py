@@ -156,8 +156,10 @@ def check_model_folder(folder: str | os.PathLike) -> Path:
     return folder
 
 
-def _weight_files(folder: Path) -> list[Path]:
-    """The safetensors files holding the model's weights: the shards named by the index, else every file."""
+def _weight_files(folder: Path, keep: Callable[[str], bool] | None = None) -> list[Path]:
+    """The safetensors files holding the model's weights: the shards named by the index, else every file. With
+    `keep` (a test of a tensor's name), only the indexed shards holding a tensor it keeps (every shard must still be
+    there)."""
     index = folder / SAFETENSORS_INDEX
     if index.is_file():
         try:
@@ -173,6 +175,8 @@ def _weight_files(folder: Path) -> list[Path]:
                 + "; download or save the model again"
             )
         if names:
+            if keep is not None:
+                names = sorted({file for name, file in weight_map.items() if keep(name)})
             return [folder / n for n in names]
     files = sorted(p for p in folder.glob("*.safetensors") if p.is_file())
     if not files:
@@ -195,14 +199,8 @@ def iter_safetensors(folder: str | os.PathLike,
     folder = Path(folder).expanduser()
     if not folder.is_dir():
         raise ModelLoadError(f"no such folder: {folder}; cannot read safetensors weights from it")
-    files = _weight_files(folder)  # checks the index too
-    index = folder / SAFETENSORS_INDEX
-    if rename is not None and index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        if weight_map:
-            needed = {file for name, file in weight_map.items() if rename(name) is not None}
-            files = [f for f in files if f.name in needed]
-    return _iter_tensors(files, rename)
+    keep = None if rename is None else (lambda name: rename(name) is not None)
+    return _iter_tensors(_weight_files(folder, keep), rename)  # checks the index too
 
 
 def _iter_tensors(files: list[Path], rename: Callable[[str], str | None] | None = None
