@@ -222,6 +222,103 @@ def test_one_gemm_over_extended_weights_then_the_expand_matches_reference(mix, l
     assert (delta_out - delta_ref).norm() <= 2 * tol * delta_ref.norm() + 1e-6
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("mix", ["mixed", "40_tokens_2_slots", "unsorted", "single", "single_none", "all_none"])
+@pytest.mark.parametrize("tiling", [(None, None), (64, 2)], ids=["default_tiles", "64_wide_2_a_program"])
+def test_gate_up_expand_with_silu_mul_in_one_launch(tiling, mix, dtype, tol):
+    """lora_expand_glu: one launch for what lora_expand_codes into the gate/up product, then silu_mul, give (the
+    same values: the sum is rounded to the product's dtype before the SiLU), written over the
+    product's gate columns; tokens without an adapter get plain silu(gate) * up. Against a torch reference too:
+    silu(gate + delta) * (up + delta) with lora_reference's deltas. Size 300: a masked tail in the last tile."""
+    import torch.nn.functional as F
+    from dark.kernels.lora import lora_expand_codes, lora_expand_glu, lora_segments
+    from dark.kernels.norm_rope import silu_mul
+
+    size, max_rank, rank, fan_in, slots_n = 300, 16, 8, 96, 4
+    token_slots = torch.tensor(SLOT_MIXES[mix])
+    A, B, x, _ = _lora_case(token_slots, fan_in, [size, size], rank, max_rank, dtype, seed=len(mix) * 5 + 1)
+    W = (torch.randn(2 * size, fan_in, generator=torch.Generator().manual_seed(3)) * 0.1).to(DEV, dtype)
+    y_ext = x @ torch.cat([W, A.reshape(-1, fan_in)]).t()
+    slots_dev, segments = token_slots.to(DEV), lora_segments(token_slots.to(DEV), max_slots=slots_n)
+    pair = y_ext.clone()
+    lora_expand_codes(pair[:, 2 * size:], B, slots_dev, pair[:, :2 * size], rank, max_rank, splits=[size, size],
+                      segments=segments)
+    want = silu_mul(pair[:, :2 * size], size)
+    block_n, tiles = tiling
+    got = y_ext.clone()
+    act = lora_expand_glu(got[:, 2 * size:], B, slots_dev, got[:, :2 * size], size, rank, max_rank,
+                          segments=segments, block_n=block_n, tiles=tiles)
+    assert act.data_ptr() == got.data_ptr(), "the activation goes over the product's gate columns"
+    fresh = lora_expand_glu(y_ext[:, 2 * size:], B, slots_dev, y_ext[:, :2 * size].clone(), size, rank, max_rank,
+                            out=torch.full((len(token_slots), size), float("nan"), device=DEV, dtype=dtype))
+    for out in (act, fresh):  # the second: its own table (no segments given), a separate output
+        # the same sums, up to the order a dot of another tile shape adds in (then at most a rounding flip in bf16)
+        torch.testing.assert_close(out.cpu(), want.cpu(), rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-5, atol=1e-6)
+        assert (out.cpu() == want.cpu()).float().mean() > 0.98, "not the expand then silu_mul's values"
+    base = y_ext[:, :2 * size].double().cpu()
+    ref = lora_reference(x.cpu().double(), base, A.cpu().double(), B.cpu().double(), token_slots, rank,
+                         splits=[size, size], stride=max_rank)
+    ref = F.silu(ref[:, :size]) * ref[:, size:]
+    assert rel_err(act.cpu(), ref) < tol
+    plain = F.silu(base[:, :size]) * base[:, size:]
+    for t, s in enumerate(token_slots.tolist()):
+        if s < 0:
+            assert torch.allclose(act[t].cpu().double(), plain[t], rtol=tol, atol=tol), "no adapter: plain silu * up"
+        else:
+            assert not torch.allclose(act[t].cpu().double(), plain[t], rtol=tol, atol=tol), "the delta is missing"
+
+def compile_for_hopper(module: str, kernel: str, types: dict, constants: dict, num_warps: int = 4) -> dict:
+    """Compile a Triton kernel for sm_90 (the H100's and H200's) on any machine, with no GPU: Triton's own
+    compiler and the ptxas it ships, in a process of its own without TRITON_INTERPRET (under it @triton.jit makes
+    interpreted functions, which do not compile). The interpreter runs a kernel as Python, so code the compiler
+    refuses (a name bound in only one branch of an `if`, say) passes there; this catches it. Returns the
+    cubin's resource usage (REG, STACK, LOCAL, SHARED, ...)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = f"""
+import json, os, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import dark.kernels.{module} as mod
+k = mod.{kernel}
+types, constants = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+signature = {{**types, **{{name: "constexpr" for name in constants}}}}
+assert set(signature) == set(k.arg_names), sorted(set(k.arg_names) ^ set(signature))
+src = ASTSource(fn=k, signature=signature, constexprs={{(k.arg_names.index(n),): v for n, v in constants.items()}})
+out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={{"num_warps": {num_warps}}})
+with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "k.cubin")
+    open(path, "wb").write(out.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    print(subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", script, json.dumps(types), json.dumps(constants)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    fields = dict(kv.split(":", 1) for kv in run.stdout.split("Function")[-1].split() if ":" in kv)
+    return {k: int(v) for k, v in fields.items() if v.isdigit()}
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_gate_up_expand_with_silu_mul_compiles_for_hopper(dtype):
+    """lora_expand_glu's kernel as the engine launches it (7B gate/up, rank 16: its tiles for the dtype, 4 warps,
+    under dependent launch) compiles for sm_90 with nothing spilled to local memory."""
+    from dark.kernels import lora
+
+    ints = ["T", "SIZE", "G", "stride_bs", "stride_br", "stride_yt", "stride_ot", "stride_ht", "stride_hs",
+            "stride_hm"]
+    types = {**{n: "*" + dtype for n in ("h_ptr", "b_ptr", "y_ptr", "o_ptr")}, "table_ptr": "*i32",
+             "slot_ptr": "*i32", **{n: "i32" for n in ints}}
+    block_n = lora.glu_block_n(torch.bfloat16 if dtype == "bf16" else torch.float32)
+    usage = compile_for_hopper("lora", "_expand_glu_kernel", types, dict(R=16, BR=16, BN=block_n, TILES=2,
+                                                                          BT=lora.BLOCK_T, UPCAST=False, PDL=True))
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0 and 0 < usage["REG"] <= 255, usage
+
 def test_lora_shrink_writes_each_token_row():
     """The shrink's partial codes, summed over its K-splits, are each token's own code at the token's original
     row, whatever the sorted order (members side by side, padded to 16 rows)."""
@@ -457,21 +554,25 @@ def test_engine_decode_over_extended_weights_matches_plain_path(tiny_models, tmp
             for p in params:
                 assert p.weight.untyped_storage().data_ptr() == ext.untyped_storage().data_ptr(), key
         lk = kernel_module("lora")
-        calls = []
-        real = lk.lora_expand_codes
+        calls = {"lora_expand_codes": [], "lora_expand_glu": []}
+        for name, seen in calls.items():
+            def counted(codes, *args, _real=getattr(lk, name), _seen=seen, **kw):
+                _seen.append(codes.shape[0])
+                return _real(codes, *args, **kw)
 
-        def counted(codes, *args, **kw):
-            calls.append(codes.shape[0])
-            return real(codes, *args, **kw)
-
-        monkeypatch.setattr(lk, "lora_expand_codes", counted)
+            monkeypatch.setattr(lk, name, counted)
         fast = _generate_mixed(llm, 6)
+        monkeypatch.setenv("DARK_LORA_GLU", "0")  # gate/up's expand, then silu_mul: two launches
+        pair = _generate_mixed(llm, 6)
     finally:
         llm.close()
-    assert sum(1 for t in calls if t == 3) >= 4 * 2 * 4, "the decode steps of three did not take the extended path"
-    for p, f in zip(plain, fast):
-        assert f.output_ids == p.output_ids
+    codes, glu = ([t for t in calls[name] if t == 3] for name in ("lora_expand_codes", "lora_expand_glu"))
+    # q/k/v, o and down through lora_expand_codes, gate/up through lora_expand_glu; with DARK_LORA_GLU=0 all four
+    assert len(glu) >= 2 * 4 and len(codes) >= 3 * 2 * 4 + 4 * 2 * 4, "the steps of three took no extended path"
+    for p, f, q in zip(plain, fast, pair):
+        assert f.output_ids == p.output_ids == q.output_ids
         torch.testing.assert_close(torch.tensor(f.logprobs), torch.tensor(p.logprobs), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(torch.tensor(f.logprobs), torch.tensor(q.logprobs), atol=1e-5, rtol=1e-5)
 
 
 def test_weights_are_not_extended_past_the_row_limit(tiny_models, tmp_path):

@@ -504,6 +504,10 @@ class MLP(nn.Module):
                     if spec is not None:
                         return kernel_module("gemv").gemv(act, self.down_proj.weight, self.down_proj.bias, codes_out=spec)
                     return self.down_proj(act, lora)
+            glu = getattr(lora, "extended_glu", None) if self.fused else None
+            act = glu(self.layer, x) if glu is not None else None
+            if act is not None:  # several tokens with adapters: the GEMM, then delta + silu(gate) * up in one launch
+                return self.down_proj(act, lora)
             y = _project_lora(x, *self.gate_up, self.fused, lora, self.layer, "gate_up", group=True)
             if self.fused:  # silu(gate) * up in one launch (and one for its backward)
                 kernels = kernel_module("norm_rope")
