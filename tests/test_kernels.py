@@ -319,6 +319,58 @@ def test_gate_up_expand_with_silu_mul_compiles_for_hopper(dtype):
                                                                           BT=lora.BLOCK_T, UPCAST=False, PDL=True))
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0 and 0 < usage["REG"] <= 255, usage
 
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("mix", ["mixed", "40_tokens_2_slots", "unsorted", "single", "all_none"])
+def test_residual_norm_adds_the_deferred_deltas_of_several_tokens(mix, dtype, tol):
+    """add_rms_norm with a multi-token delta_lora (o_proj's or down_proj's expand folded into the norm after it):
+    what lora_expand_codes into the projection's output, then add_rms_norm, give (the same sums up to the order
+    of the adds, then at most a rounding flip in bf16), and against torch: norm(x + y + delta). A token without an
+    adapter gets the plain residual add."""
+    from dark.kernels.lora import lora_expand_codes, lora_segments
+    from dark.kernels.norm_rope import add_rms_norm, add_rms_norm_reference
+
+    width, max_rank, rank, fan_in, slots_n = 200, 16, 8, 96, 4
+    token_slots = torch.tensor(SLOT_MIXES[mix])
+    A, B, x_in, _ = _lora_case(token_slots, fan_in, [width], rank, max_rank, dtype, seed=len(mix) * 3 + 2)
+    g = torch.Generator().manual_seed(11)
+    W = (torch.randn(width, fan_in, generator=g) * 0.1).to(DEV, dtype)
+    residual = torch.randn(len(token_slots), width, generator=g).to(DEV, dtype)
+    weight = (torch.rand(width, generator=g) + 0.5).to(DEV, dtype)
+    y_ext = x_in @ torch.cat([W, A.reshape(-1, fan_in)]).t()
+    slots_dev = token_slots.to(DEV)
+    pair = y_ext.clone()
+    lora_expand_codes(pair[:, width:], B, slots_dev, pair[:, :width], rank, max_rank,
+                      segments=lora_segments(slots_dev, max_slots=slots_n))
+    want_normed, want_sum = add_rms_norm(residual, pair[:, :width], weight, 1e-6)
+    spec = {"codes": y_ext[:, width:], "B": B, "slot": slots_dev, "rank": rank, "stride": max_rank}
+    normed, summed = add_rms_norm(residual, y_ext[:, :width], weight, 1e-6, delta_lora=spec)
+    for got, want in ((normed, want_normed), (summed, want_sum)):
+        torch.testing.assert_close(got.cpu(), want.cpu(), rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-5,
+                                   atol=1e-5)
+        if dtype == torch.bfloat16:  # (fp32 keeps the adds' order in its last bits)
+            assert (got.cpu() == want.cpu()).float().mean() > 0.98
+    base = y_ext[:, :width].cpu().double()
+    ref_y = lora_reference(x_in.cpu().double(), base, A.cpu().double(), B.cpu().double(), token_slots, rank)
+    ref = add_rms_norm_reference(residual.cpu().double(), ref_y, weight.cpu().double(), 1e-6)[0]
+    assert rel_err(normed.cpu(), ref) < tol
+    plain = add_rms_norm(residual, y_ext[:, :width], weight, 1e-6)[0].cpu()
+    for t, s in enumerate(token_slots.tolist()):
+        assert torch.equal(normed[t].cpu(), plain[t]) == (s < 0), "a token's delta added or not as its slot says"
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_residual_norm_with_deferred_deltas_compiles_for_hopper(dtype):
+    """add_rms_norm_lora's kernel at a 7B row (3584: 4096 lanes), rank 16, its warps, under dependent launch:
+    compiles for sm_90 with nothing spilled."""
+    from dark.kernels import norm_rope
+
+    ints = ["N", "stride_x", "stride_d", "stride_o", "stride_s", "stride_h", "stride_hs", "stride_bs", "stride_br"]
+    types = {**{n: "*" + dtype for n in ("x_ptr", "d_ptr", "w_ptr", "out_ptr", "sum_ptr", "h_ptr", "b_ptr")},
+             "slot_ptr": "*i32", **{n: "i32" for n in ints}, "eps": "fp32"}
+    usage = compile_for_hopper("norm_rope", "_add_rms_norm_lora_kernel", types, dict(BN=4096, R=16, PDL=True),
+                               num_warps=norm_rope.LORA_WARPS)
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0 and 0 < usage["REG"] <= 255, usage
+
 def test_lora_shrink_writes_each_token_row():
     """The shrink's partial codes, summed over its K-splits, are each token's own code at the token's original
     row, whatever the sorted order (members side by side, padded to 16 rows)."""
@@ -528,8 +580,9 @@ def test_engine_decode_over_extended_weights_matches_plain_path(tiny_models, tmp
     """The weights laid out as the engine lays them out on CUDA (AdapterSlots.extend_weights: every slot's A rows
     after each projection's own, here after two adapters were loaded, whose factors move into the new rows): the
     model's parameters are views of the extended blocks, steps of several tokens with adapters take one product
-    for the base output and the codes and lora_expand_codes for the deltas, and a batch mixing two adapters and
-    none gives the plain path's tokens and log-probabilities."""
+    for the base output and the codes, then the deltas: q/k/v's by lora_expand_codes, gate/up's with the SiLU * mul
+    (lora_expand_glu), o's and down's in the residual norm after them (add_rms_norm_lora); a batch mixing two
+    adapters and none gives the plain path's tokens and log-probabilities, with each fold on or off."""
     from dark import OnlineLLM
     from test_lora import make_peft_adapter
 
@@ -553,26 +606,35 @@ def test_engine_decode_over_extended_weights_matches_plain_path(tiny_models, tmp
             ext = slots.extended[(1, key)][0]
             for p in params:
                 assert p.weight.untyped_storage().data_ptr() == ext.untyped_storage().data_ptr(), key
-        lk = kernel_module("lora")
-        calls = {"lora_expand_codes": [], "lora_expand_glu": []}
-        for name, seen in calls.items():
-            def counted(codes, *args, _real=getattr(lk, name), _seen=seen, **kw):
-                _seen.append(codes.shape[0])
-                return _real(codes, *args, **kw)
+        calls = {(mod, name): [] for mod, name in (("lora", "lora_expand_codes"), ("lora", "lora_expand_glu"),
+                                                   ("norm_rope", "add_rms_norm_lora"))}
+        for (mod, name), seen in calls.items():
+            def counted(first, *args, _real=getattr(kernel_module(mod), name), _seen=seen, **kw):
+                _seen.append(first.shape[0])
+                return _real(first, *args, **kw)
 
-            monkeypatch.setattr(lk, name, counted)
+            monkeypatch.setattr(kernel_module(mod), name, counted)
         fast = _generate_mixed(llm, 6)
-        monkeypatch.setenv("DARK_LORA_GLU", "0")  # gate/up's expand, then silu_mul: two launches
-        pair = _generate_mixed(llm, 6)
+        counts = {name: sum(1 for t in seen if t == 3) for (_, name), seen in calls.items()}
+        variants = {}
+        for setting in ("DARK_LORA_GLU", "DARK_LORA_DEFER"):  # the launches each of them folds, one at a time
+            monkeypatch.setenv(setting, "0")
+            variants[setting] = _generate_mixed(llm, 6)
+            monkeypatch.delenv(setting)
     finally:
         llm.close()
-    codes, glu = ([t for t in calls[name] if t == 3] for name in ("lora_expand_codes", "lora_expand_glu"))
-    # q/k/v, o and down through lora_expand_codes, gate/up through lora_expand_glu; with DARK_LORA_GLU=0 all four
-    assert len(glu) >= 2 * 4 and len(codes) >= 3 * 2 * 4 + 4 * 2 * 4, "the steps of three took no extended path"
-    for p, f, q in zip(plain, fast, pair):
-        assert f.output_ids == p.output_ids == q.output_ids
+    # 2 layers, >= 4 steps of three tokens: q/k/v through lora_expand_codes, gate/up through lora_expand_glu, o's and
+    # down's deltas in the norms after them
+    assert counts["lora_expand_codes"] >= 2 * 4 and counts["lora_expand_glu"] >= 2 * 4, counts
+    assert counts["add_rms_norm_lora"] >= 2 * 2 * 4, counts
+    assert counts["lora_expand_codes"] < counts["add_rms_norm_lora"], "o's and down's expands still launched"
+    for i, (p, f) in enumerate(zip(plain, fast)):
+        assert f.output_ids == p.output_ids
         torch.testing.assert_close(torch.tensor(f.logprobs), torch.tensor(p.logprobs), atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(torch.tensor(f.logprobs), torch.tensor(q.logprobs), atol=1e-5, rtol=1e-5)
+        for setting, runs in variants.items():
+            assert runs[i].output_ids == p.output_ids, setting
+            torch.testing.assert_close(torch.tensor(runs[i].logprobs), torch.tensor(f.logprobs), atol=1e-5,
+                                       rtol=1e-5, msg=setting)
 
 
 def test_weights_are_not_extended_past_the_row_limit(tiny_models, tmp_path):

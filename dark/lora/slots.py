@@ -374,12 +374,16 @@ class SlotLoRA:
         return (self.kernel_slots is not None and x.dim() == 2 and 1 < x.shape[0] <= KERNEL_MAX_TOKENS
                 and not torch.is_grad_enabled() and os.environ.get("DARK_LORA_EXT", "1") != "0")
 
-    def extended(self, layer: int, key: str, x: torch.Tensor) -> torch.Tensor | None:
+    def extended(self, layer: int, key: str, x: torch.Tensor, defer: bool = False) -> torch.Tensor | None:
         """A step of several tokens on the kernel path (decode), for a projection whose weight extend_weights laid
         out with every slot's A rows: one GEMM over the whole gives the base output and every slot's codes side by
         side, and lora_expand_codes adds each token's own slot's delta into the base columns. Returns the output
         (a view, rows as wide as the whole) or None: not on this path (a batch of one, a long prefill, autograd,
-        DARK_LORA_EXT=0), or no adapter targets the projection (the caller runs the plain product)."""
+        DARK_LORA_EXT=0), or no adapter targets the projection (the caller runs the plain product).
+
+        defer (o_proj, down_proj: their output goes only to the residual add): no expand launch; the output is the
+        base product's, and the next residual add's norm adds each token's delta in its own launch
+        (kernels.norm_rope.add_rms_norm's delta_lora, from take_deferred). DARK_LORA_DEFER=0: never."""
         if not self._extends(x):
             return None
         ext = self.slots.extended.get((layer, key))
@@ -396,6 +400,11 @@ class SlotLoRA:
                 return None
         weight, bias, out = ext
         y = project_fused(x, weight, bias)
+        if defer and outs is None and os.environ.get("DARK_LORA_DEFER", "1") != "0":
+            assert self._deferred is None, "a deferred delta was never added"
+            self._deferred = {"codes": y[:, out:], "B": B, "slot": self.kernel_slots, "rank": self.r,
+                              "stride": self.slots.max_rank}
+            return y[:, :out]
         return kernel_module("lora").lora_expand_codes(y[:, out:], B, self.kernel_slots, y[:, :out], self.r,
                                                        self.slots.max_rank, splits=outs,
                                                        segments=self.kernel_segments)
