@@ -580,8 +580,9 @@ def test_engine_decode_over_extended_weights_matches_plain_path(tiny_models, tmp
     """The weights laid out as the engine lays them out on CUDA (AdapterSlots.extend_weights: every slot's A rows
     after each projection's own, here after two adapters were loaded, whose factors move into the new rows): the
     model's parameters are views of the extended blocks, steps of several tokens with adapters take one product
-    for the base output and the codes, then the deltas: q/k/v's by lora_expand_codes, gate/up's with the SiLU * mul
-    (lora_expand_glu), o's and down's in the residual norm after them (add_rms_norm_lora); a batch mixing two
+    for the base output and the codes, then the deltas in the kernel after it: q/k/v's in the rotary and cache store
+    (qkv_rotary_store), gate/up's with the SiLU * mul (lora_expand_glu), o's and down's in the residual norm
+    (add_rms_norm_lora), with no expand launch; a batch mixing two
     adapters and none gives the plain path's tokens and log-probabilities, with each fold on or off."""
     from dark import OnlineLLM
     from test_lora import make_peft_adapter
@@ -607,15 +608,19 @@ def test_engine_decode_over_extended_weights_matches_plain_path(tiny_models, tmp
             for p in params:
                 assert p.weight.untyped_storage().data_ptr() == ext.untyped_storage().data_ptr(), key
         calls = {(mod, name): [] for mod, name in (("lora", "lora_expand_codes"), ("lora", "lora_expand_glu"),
-                                                   ("norm_rope", "add_rms_norm_lora"))}
+                                                   ("norm_rope", "add_rms_norm_lora"),
+                                                   ("paged_attention", "qkv_rotary_store"))}
         for (mod, name), seen in calls.items():
-            def counted(first, *args, _real=getattr(kernel_module(mod), name), _seen=seen, **kw):
-                _seen.append(first.shape[0])
+            def counted(first, *args, _real=getattr(kernel_module(mod), name), _seen=seen, _name=name, **kw):
+                if _name != "qkv_rotary_store" or "codes" in (kw.get("lora") or {}):  # the rotary: with deltas
+                    _seen.append(first.shape[0])
                 return _real(first, *args, **kw)
 
             monkeypatch.setattr(kernel_module(mod), name, counted)
         fast = _generate_mixed(llm, 6)
         counts = {name: sum(1 for t in seen if t == 3) for (_, name), seen in calls.items()}
+        for seen in calls.values():
+            seen.clear()
         variants = {}
         for setting in ("DARK_LORA_GLU", "DARK_LORA_DEFER"):  # the launches each of them folds, one at a time
             monkeypatch.setenv(setting, "0")
@@ -623,11 +628,13 @@ def test_engine_decode_over_extended_weights_matches_plain_path(tiny_models, tmp
             monkeypatch.delenv(setting)
     finally:
         llm.close()
-    # 2 layers, >= 4 steps of three tokens: q/k/v through lora_expand_codes, gate/up through lora_expand_glu, o's and
-    # down's deltas in the norms after them
-    assert counts["lora_expand_codes"] >= 2 * 4 and counts["lora_expand_glu"] >= 2 * 4, counts
-    assert counts["add_rms_norm_lora"] >= 2 * 2 * 4, counts
-    assert counts["lora_expand_codes"] < counts["add_rms_norm_lora"], "o's and down's expands still launched"
+    # 2 layers, >= 4 steps of three tokens: no expand launch of its own; q/k/v's deltas in the rotary and cache
+    # store, gate/up's with the SiLU * mul, o's and down's in the norms after them
+    assert counts["lora_expand_codes"] == 0 and counts["lora_expand_glu"] >= 2 * 4, counts
+    assert counts["add_rms_norm_lora"] >= 2 * 2 * 4 and counts["qkv_rotary_store"] >= 2 * 4, counts
+    expands = sum(1 for t in calls[("lora", "lora_expand_codes")] if t == 3)
+    # gate/up's without the GLU fold, q/k/v's, o's and down's without the deferral
+    assert expands >= (1 + 3) * 2 * 4, "DARK_LORA_GLU=0 / DARK_LORA_DEFER=0 did not take the expands again"
     for i, (p, f) in enumerate(zip(plain, fast)):
         assert f.output_ids == p.output_ids
         torch.testing.assert_close(torch.tensor(f.logprobs), torch.tensor(p.logprobs), atol=1e-4, rtol=1e-4)
@@ -814,6 +821,56 @@ def test_qkv_rotary_store_adds_the_lora_delta(dtype, tol, slot, splits):
     assert rel_err(q.cpu(), qkv_rotary_store_reference(y.cpu(), nh, nkv, d, cos.cpu(), sin.cpu(), k_ref.clone(),
                                                       v_ref.clone(), mapping.cpu())) > 10 * tol  # the delta shows
 
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("mix", ["mixed", "unsorted", "all_none"])
+def test_qkv_rotary_store_adds_the_deltas_of_several_tokens(mix, dtype, tol):
+    """Several tokens whose q/k/v came out of the GEMM over the extended weights without their deltas (every
+    slot's codes side by side after the base columns): qkv_rotary_store adds each token's own slot's delta per head
+    before rotating and storing, what lora_expand_codes then the plain launch give (up to the adds' order); a token
+    without an adapter gets the base result exactly."""
+    from dark.kernels.lora import lora_expand_codes
+    from dark.kernels.paged_attention import qkv_rotary_store, qkv_rotary_store_reference
+
+    nh, nkv, d, rank, max_rank, slots_n, fan_in = 4, 2, 16, 5, 8, 4, 40
+    token_slots = torch.tensor(SLOT_MIXES[mix])
+    T, outs = len(token_slots), [nh * d, nkv * d, nkv * d]
+    _, cos, sin, kc, vc = _qkv_case(T, nh, nkv, d, 8, 4, dtype, seed=len(mix))
+    A, B, x, _ = _lora_case(token_slots, fan_in, outs, rank, max_rank, dtype, seed=len(mix) + 1, slots_n=slots_n)
+    W = (torch.randn(sum(outs), fan_in, generator=torch.Generator().manual_seed(5)) * 0.2).to(DEV, dtype)
+    y_ext = x @ torch.cat([W, A.reshape(-1, fan_in)]).t()
+    y, codes = y_ext[:, :sum(outs)], y_ext[:, sum(outs):]
+    slots_dev = token_slots.to(DEV)
+    mapping = torch.randperm(32, generator=torch.Generator().manual_seed(2))[:T].to(DEV)
+    k0, v0 = kc.clone(), vc.clone()
+    spec = {"codes": codes, "B": B, "slot": slots_dev, "rank": rank, "stride": max_rank, "splits": outs}
+    q = qkv_rotary_store(y, nh, nkv, d, cos, sin, kc, vc, mapping, lora=spec)
+    with_delta = lora_expand_codes(codes, B, slots_dev, y.clone(), rank, max_rank, splits=outs)
+    q_two = qkv_rotary_store(with_delta, nh, nkv, d, cos, sin, k0, v0, mapping)
+    assert rel_err(q, q_two) < tol / 4 and rel_err(kc, k0) < tol / 4 and rel_err(vc, v0) < tol / 4
+    plain_k, plain_v = kc.clone(), vc.clone()
+    q_plain = qkv_rotary_store(y, nh, nkv, d, cos, sin, plain_k, plain_v, mapping)
+    for t, s in enumerate(token_slots.tolist()):
+        assert torch.equal(q[t], q_plain[t]) == (s < 0), "a token's delta added or not as its slot says"
+    base = y.cpu().double()
+    ref = lora_reference(x.cpu().double(), base, A.cpu().double(), B.cpu().double(), token_slots, rank,
+                         splits=outs, stride=max_rank)
+    k_ref, v_ref = kc.cpu().clone(), vc.cpu().clone()
+    q_ref = qkv_rotary_store_reference(ref.to(dtype), nh, nkv, d, cos.cpu(), sin.cpu(), k_ref, v_ref, mapping.cpu())
+    assert rel_err(q.cpu(), q_ref) < tol and rel_err(kc.cpu(), k_ref) < tol and rel_err(vc.cpu(), v_ref) < tol
+
+@pytest.mark.parametrize("multi", [True, False], ids=["several_tokens", "batch_of_one"])
+def test_qkv_rotary_store_with_deltas_compiles_for_hopper(multi):
+    """qkv_rotary_store's kernel with the adapter's deltas (Qwen2.5-7B heads, rank 16 in slots of 64 rows; several
+    tokens' codes from the extended GEMM, or a batch of one's partial sums) compiles for sm_90, nothing spilled."""
+    ints = ["stride_y", "stride_c", "stride_q", "stride_bs", "stride_br", "stride_lt", "stride_ls"]
+    types = {**{n: "*bf16" for n in ("y_ptr", "cos_ptr", "sin_ptr", "q_ptr", "kc_ptr", "vc_ptr", "lb_ptr")},
+             "slot_ptr": "*i64", "lslot_ptr": "*i32", "lh_ptr": "*bf16" if multi else "*fp32",
+             **{n: "i32" for n in ints}}
+    consts = dict(NH=28, NKV=4, HALF=64, LORA=True, R=16, BR=16, SPLITS=1 if multi else 4, SP=1 if multi else 4,
+                  CODES_AFTER=multi, MULTI=multi, MS=64 if multi else 16, PDL=True)
+    usage = compile_for_hopper("paged_attention", "_qkv_rotary_store_kernel", types, consts)
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0 and 0 < usage["REG"] <= 255, usage
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("tokens,heads,d", [(3, 4, 16), (5, 7, 64)])

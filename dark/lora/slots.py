@@ -381,9 +381,10 @@ class SlotLoRA:
         (a view, rows as wide as the whole) or None: not on this path (a batch of one, a long prefill, autograd,
         DARK_LORA_EXT=0), or no adapter targets the projection (the caller runs the plain product).
 
-        defer (o_proj, down_proj: their output goes only to the residual add): no expand launch; the output is the
-        base product's, and the next residual add's norm adds each token's delta in its own launch
-        (kernels.norm_rope.add_rms_norm's delta_lora, from take_deferred). DARK_LORA_DEFER=0: never."""
+        defer (the caller's next kernel adds the deltas, and takes them with take_deferred): no expand launch; the
+        output is the base product's. o_proj, down_proj: the residual add's norm after them
+        (kernels.norm_rope.add_rms_norm's delta_lora); q/k/v: the decode attention's rotary and cache store
+        (kernels.paged_attention.qkv_rotary_store's lora). DARK_LORA_DEFER=0: never."""
         if not self._extends(x):
             return None
         ext = self.slots.extended.get((layer, key))
@@ -400,10 +401,10 @@ class SlotLoRA:
                 return None
         weight, bias, out = ext
         y = project_fused(x, weight, bias)
-        if defer and outs is None and os.environ.get("DARK_LORA_DEFER", "1") != "0":
+        if defer and os.environ.get("DARK_LORA_DEFER", "1") != "0":
             assert self._deferred is None, "a deferred delta was never added"
             self._deferred = {"codes": y[:, out:], "B": B, "slot": self.kernel_slots, "rank": self.r,
-                              "stride": self.slots.max_rank}
+                              "stride": self.slots.max_rank, "splits": outs}
             return y[:, :out]
         return kernel_module("lora").lora_expand_codes(y[:, out:], B, self.kernel_slots, y[:, :out], self.r,
                                                        self.slots.max_rank, splits=outs,

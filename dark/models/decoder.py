@@ -455,16 +455,18 @@ class SelfAttention(nn.Module):
             # one token on the decode path: the GEMV runs as the base model's and qkv_rotary_store, which reads each
             # head's columns anyway, adds the adapter's delta (a few KB of B a head) before rotating
             late = self.late_lora(x, attn) and _gemv_lora(lora, self.layer, "qkv", x, True)
+            # serving's decode attention rotates and stores y in one launch, which can add the adapter's delta too
+            decode = self.fused and not training and self.q_norm is None and hasattr(attn, "attend_fused_qkv")
             if late is False:
-                y = _project_lora(x, *self.qkv, self.fused, lora, self.layer, "qkv", group=True)
+                y = _project_lora(x, *self.qkv, self.fused, lora, self.layer, "qkv", group=True, defer=decode)
+                late = _take_deferred(lora) if decode else None  # several tokens: their deltas, left to it
             else:
                 y = kernel_module("gemv").gemv(x, *self.qkv)
             if training and self.q_norm is None:
                 # split, rotary and their backward in a few launches, one gradient for y
                 q, k, v = kernel_module("norm_rope").qkv_rotary_train(y, self.nh, self.nkv, self.d, cos, sin)
                 return self.o_proj(attn.attend(self.layer, q, k, v).reshape(t, self.nh * self.d), lora)
-            if self.fused and not training and self.q_norm is None and hasattr(attn, "attend_fused_qkv"):
-                # serving's decode attention: rotary of q and k and the cache store in one launch, on y as it is
+            if decode:  # rotary of q and k and the cache store in one launch, on y as it is
                 codes = _norm_codes(lora, self.layer, "o_proj", y, parts=self.nh)  # from the attention's merge
                 out = attn.attend_fused_qkv(self.layer, y, self.nh, self.nkv, self.d, cos, sin, codes, late or None)
                 return self.o_proj(out.reshape(t, self.nh * self.d), lora, defer)
