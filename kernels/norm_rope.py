@@ -85,12 +85,17 @@ if triton is not None:
         wait_prior(PDL)
         x = tl.load(x_ptr + row * stride_x + n, mask=m, other=0.0).to(tl.float32)
         d = tl.load(d_ptr + row * stride_d + n, mask=m, other=0.0).to(tl.float32)
-        s = (x + d).to(sum_ptr.dtype.element_ty)
-        tl.store(sum_ptr + row * stride_s + n, s, mask=m)
+        _add_then_norm(x, d, w, sum_ptr + row * stride_s, out_ptr + row * stride_o, n, m, N, eps)
+
+    @triton.jit
+    def _add_then_norm(x, d, w, sum_row, out_row, n, m, N, eps):
+        """One row's residual add (rounded to the sum's dtype) stored, then its RMSNorm times w stored."""
+        s = (x + d).to(sum_row.dtype.element_ty)
+        tl.store(sum_row + n, s, mask=m)
         s = s.to(tl.float32)
         r = tl.rsqrt(tl.sum(s * s, 0) / N + eps)
-        y = (s * r).to(sum_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + n, (w * y).to(out_ptr.dtype.element_ty), mask=m)
+        y = (s * r).to(sum_row.dtype.element_ty).to(tl.float32)
+        tl.store(out_row + n, (w * y).to(out_row.dtype.element_ty), mask=m)
 
     @triton.jit
     def _add_rms_norm_lora_kernel(x_ptr, d_ptr, w_ptr, out_ptr, sum_ptr, slot_ptr, h_ptr, b_ptr, N, stride_x, stride_d,
@@ -114,12 +119,7 @@ if triton is not None:
             code = tl.load(hp + i, mask=has, other=0.0).to(tl.float32)
             d += code * tl.load(b_ptr + s * stride_bs + i * stride_br + n, mask=m & has, other=0.0).to(tl.float32)
         d = d.to(d_ptr.dtype.element_ty).to(tl.float32)
-        x = (x + d).to(sum_ptr.dtype.element_ty)
-        tl.store(sum_ptr + row * stride_s + n, x, mask=m)
-        x = x.to(tl.float32)
-        rs = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
-        y = (x * rs).to(sum_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + n, (w * y).to(out_ptr.dtype.element_ty), mask=m)
+        _add_then_norm(x, d, w, sum_ptr + row * stride_s, out_ptr + row * stride_o, n, m, N, eps)
 
     @triton.jit
     def _norm_codes_kernel(x_ptr, d_ptr, w_ptr, out_ptr, sum_ptr, a_ptr, slot_ptr, h_ptr, N, stride_as, stride_ar,

@@ -15,9 +15,13 @@ input is a device tensor of slots, which a CUDA graph can keep (the sort is capt
 On CUDA the engine also lays each layer's q/k/v, o_proj, gate/up and down_proj weight out with every slot's A rows
 after the projection's own rows (extend_weights; the model's parameters are views of the base rows). A step of
 several tokens with adapters (decode) then runs the projection as one GEMM over the whole block, which gives the
-base output and every slot's codes side by side, and only the expand launch adds each token's own slot's delta
-(SlotLoRA.extended): the shrink launch is gone and cuBLAS reads the A bytes in the GEMM's own pass (H200, 64
-sequences over 32 adapters: 6.99 -> 6.21 ms a step). A batch of one keeps the GEMV path, which reads the base rows.
+base output and every slot's codes side by side (SlotLoRA.extended): the shrink launch is gone and cuBLAS reads the
+A bytes in the GEMM's own pass (H200, 64 sequences over 32 adapters: 6.99 -> 6.21 ms a step). Nor does an expand
+launch follow: the kernel that reads the projection's output next adds each token's own slot's delta as it reads
+it (q/k/v: the decode attention's rotary and cache store; gate/up: lora_expand_glu with the SiLU * mul; o_proj and
+down_proj: the residual add's norm, add_rms_norm_lora), the codes read out of the GEMM's extra columns. Where no
+such kernel follows (a step off the decode attention, DARK_LORA_DEFER=0 / DARK_LORA_GLU=0), lora_expand_codes adds
+them after the GEMM. A batch of one keeps the GEMV path, which reads the base rows.
 """
 from __future__ import annotations
 
