@@ -177,35 +177,28 @@ if triton is not None:
                      mask=pm[:, None] & (c < MEMBERS * BR)[None, :])
 
     @triton.jit
-    def _halves(h, b_ptr, UPCAST: tl.constexpr):
-        """The fp32 codes h as hi + lo halves in B's dtype (the tensor cores, with the code not rounded to bf16)."""
-        if UPCAST or b_ptr.dtype.element_ty == tl.float32:
-            return h, h
-        hi = h.to(b_ptr.dtype.element_ty)
-        return hi, (h - hi.to(tl.float32)).to(b_ptr.dtype.element_ty)
-
-    @triton.jit
-    def _delta(h, hi, lo, b_ptr, s, m, r, n, member, nm, stride_bs, stride_br, R: tl.constexpr, UPCAST: tl.constexpr):
-        """h @ B over the columns n of adapter slot s: [BT, BN] fp32. Row c of the B tile is B's rank row c % BR,
-        kept only in the columns whose member (`member`, per column) is c // BR (m, r: c's member and row)."""
-        b = tl.load(b_ptr + s * stride_bs + r[:, None] * stride_br + n[None, :],
-                    mask=(r < R)[:, None] & (m[:, None] == member[None, :]) & nm[None, :], other=0.0)
-        if UPCAST or b_ptr.dtype.element_ty == tl.float32:
-            return tl.dot(h, b.to(tl.float32), input_precision="ieee")
-        return tl.dot(lo, b, tl.dot(hi, b))
-
-    @triton.jit
     def _add_expanded(h, b_ptr, y_ptr, s, tok, pm, m, r, nb, N, N1, N2, stride_bs, stride_br, stride_yt,
                       R: tl.constexpr, BN: tl.constexpr, TILES: tl.constexpr, UPCAST: tl.constexpr):
         """y[tok, n] += h @ B for TILES tiles of BN columns from column tile nb * TILES on: h [BT, MB] the block's
         fp32 codes (code column c: member m = c // BR, rank row r = c % BR), B of adapter slot s, each member's
         rank rows kept only in its own columns (N1, N2: where the second and third members' outputs start)."""
-        hi, lo = _halves(h, b_ptr, UPCAST)
+        if UPCAST or b_ptr.dtype.element_ty == tl.float32:
+            hi = h
+            lo = h
+        else:  # fp32 codes as hi + lo halves: the tensor cores, with the code not rounded to bf16
+            hi = h.to(b_ptr.dtype.element_ty)
+            lo = (h - hi.to(tl.float32)).to(b_ptr.dtype.element_ty)
         for t in range(TILES):  # TILES tiles of BN columns each, the codes loaded once for all
             n = (nb * TILES + t) * BN + tl.arange(0, BN)
             nm = n < N
             member = (n >= N1).to(tl.int32) + (n >= N2).to(tl.int32)  # which member's output each column is
-            d = _delta(h, hi, lo, b_ptr, s, m, r, n, member, nm, stride_bs, stride_br, R, UPCAST)
+            # row c of the tile is B's rank row c % BR, kept only in the columns of member c // BR
+            b = tl.load(b_ptr + s * stride_bs + r[:, None] * stride_br + n[None, :],
+                        mask=(r < R)[:, None] & (m[:, None] == member[None, :]) & nm[None, :], other=0.0)
+            if UPCAST or b_ptr.dtype.element_ty == tl.float32:
+                d = tl.dot(h, b.to(tl.float32), input_precision="ieee")
+            else:
+                d = tl.dot(lo, b, tl.dot(hi, b))
             yp = y_ptr + tok[:, None] * stride_yt + n[None, :]
             ym = pm[:, None] & nm[None, :]
             y = tl.load(yp, mask=ym, other=0.0).to(tl.float32)
@@ -235,49 +228,6 @@ if triton is not None:
             _add_expanded(h, b_ptr, y_ptr, s, tok, pm, m, r, nb, N, N1, N2, stride_bs, stride_br, stride_yt,
                           R, BN, TILES, UPCAST)
 
-
-    @triton.jit
-    def _expand_glu_kernel(h_ptr, b_ptr, table_ptr, slot_ptr, y_ptr, o_ptr, T, SIZE, G, stride_bs, stride_br,
-                           stride_yt, stride_ot, stride_ht, stride_hs, stride_hm,
-                           R: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, TILES: tl.constexpr,
-                           BT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
-        """silu(gate + its delta) * (up + its delta) for TILES tiles of BN activation columns from nb * TILES on:
-        y [T, 2 * SIZE] a gate/up product (gate columns, then up), h every slot's codes of both members side by
-        side (as lora_expand_codes reads them), o the activation. Programs 0..G-1 take the table's blocks (tokens
-        with an adapter); programs G.. take BT tokens by position each, only those without one (plain silu * mul).
-        gate + delta is rounded to y's dtype before the SiLU, as the expand's store into y rounds it."""
-        wait_prior(PDL)
-        g = tl.program_id(0)
-        nb = tl.program_id(1)
-        if g < G:
-            s, owns, tok, pm = _block(table_ptr, BT, True)
-            pm = pm & owns
-        else:  # (both branches define the same names, of the same types: the compiler needs it)
-            s = (g * 0).to(tl.int64)
-            tok = ((g - G) * BT + tl.arange(0, BT)).to(tl.int64)
-            pm = tok < T
-            pm = pm & (tl.load(slot_ptr + tok, mask=pm, other=0) < 0)
-        c = tl.arange(0, 2 * BR)
-        m = c // BR
-        r = c % BR
-        h = tl.load(h_ptr + tok[:, None] * stride_ht + s * stride_hs + (m * stride_hm + r)[None, :],
-                    mask=(pm & (g < G))[:, None] & (r < R)[None, :], other=0.0).to(tl.float32)
-        hi, lo = _halves(h, b_ptr, UPCAST)
-        for t in range(TILES):
-            n = (nb * TILES + t) * BN + tl.arange(0, BN)
-            nm = n < SIZE
-            yp = y_ptr + tok[:, None] * stride_yt + n[None, :]
-            ym = pm[:, None] & nm[None, :]
-            gate = tl.load(yp, mask=ym, other=0.0).to(tl.float32)
-            up = tl.load(yp + SIZE, mask=ym, other=0.0).to(tl.float32)
-            if g < G:
-                zero = n * 0
-                gate += _delta(h, hi, lo, b_ptr, s, m, r, n, zero, nm, stride_bs, stride_br, R, UPCAST)
-                up += _delta(h, hi, lo, b_ptr, s, m, r, n + SIZE, zero + 1, nm, stride_bs, stride_br, R, UPCAST)
-                gate = gate.to(y_ptr.dtype.element_ty).to(tl.float32)
-                up = up.to(y_ptr.dtype.element_ty).to(tl.float32)
-            tl.store(o_ptr + tok[:, None] * stride_ot + n[None, :],
-                     (gate * tl.sigmoid(gate) * up).to(o_ptr.dtype.element_ty), mask=ym)
 
     @triton.jit
     def _fused_kernel(x_ptr, a_ptr, b_ptr, table_ptr, y_ptr, N, N1, N2, stride_xt, stride_as, stride_ar,
@@ -371,52 +321,6 @@ def lora_expand_codes(codes, B, token_slots, y, rank: int, member_stride: int, s
     return _expand(codes, (codes.stride(0), members * member_stride, member_stride, 0), 1,
                    max(16, triton.next_power_of_2(rank)), B, token_slots, y, rank, splits, segments, block_n, tiles)
 
-
-# the GLU expand's activation columns a tile (each tile reads the gate's and the up's columns of B and of y); fp32
-# factors take 64: at 128 and up their dots spill to the stack (sm_90, rank 16; tests/test_kernels.py compiles it)
-GLU_BLOCK_N = 256
-GLU_BLOCK_N_FP32 = 64
-
-
-def glu_block_n(dtype: torch.dtype) -> int:
-    return GLU_BLOCK_N_FP32 if dtype == torch.float32 else GLU_BLOCK_N
-
-
-def lora_expand_glu(codes, B, token_slots, gate_up, size: int, rank: int, member_stride: int, segments=None,
-                    out=None, block_n: int | None = None, tiles: int | None = None):
-    """silu(gate) * up of a gate/up product with each token's own slot's adapter delta added first, in one launch:
-    lora_expand_codes(codes, B, ..., gate_up, splits=[size, size]) then silu_mul, without writing the deltas into
-    gate_up and reading them back (the same values: the sum is rounded to gate_up's dtype before the SiLU).
-
-    codes [T, slots * 2 * member_stride] every slot's codes of both members (the extended GEMM's extra columns),
-    B [slots, member_stride, 2 * size] the group's B, gate_up [T, 2 * size] (any row stride), out [T, size]
-    (None: over gate_up's gate columns, which each program reads before it writes them)."""
-    T = gate_up.shape[0]
-    assert gate_up.shape[1] == 2 * size and gate_up.stride(1) == 1 and codes.stride(1) == 1
-    assert B.stride(2) == 1 and B.shape[2] == 2 * size and rank <= member_stride
-    out = gate_up[:, :size] if out is None else out
-    assert out.shape == (T, size) and out.stride(1) == 1
-    if T == 0:
-        return out
-    table = segments if segments is not None else lora_segments(token_slots)
-    if table.dim() == 1:  # a batch of one: a table row of its own (its slot, then token 0, or no token)
-        s = table.view(1, 1).to(torch.int32)
-        none = torch.full((1, BLOCK_T), -1, device=s.device, dtype=torch.int32)
-        table = torch.cat([s, torch.where(s >= 0, 0, none[:, :1]), none[:, 1:]], 1)
-    rows = table.shape[0]
-    block_n = glu_block_n(B.dtype) if block_n is None else block_n
-    block_n = max(16, min(block_n, triton.next_power_of_2(size)))
-    n_tiles = triton.cdiv(size, block_n)
-    extra = triton.cdiv(T, BLOCK_T)  # the programs for tokens without an adapter
-    if tiles is None:
-        tiles = triton.cdiv(n_tiles, max(1, EXPAND_PROGRAMS // (rows + extra)))
-    tiles = max(1, min(tiles, n_tiles))
-    br = max(16, triton.next_power_of_2(rank))
-    _expand_glu_kernel[(rows + extra, triton.cdiv(n_tiles, tiles))](
-        codes, B, table, token_slots.view(-1), gate_up, out, T, size, rows, B.stride(0), B.stride(1),
-        gate_up.stride(0), out.stride(0), codes.stride(0), 2 * member_stride, member_stride, R=rank, BR=br,
-        BN=block_n, TILES=tiles, BT=BLOCK_T, UPCAST=_interpreted(), num_warps=EXPAND_WARPS, **pdl(gate_up.device))
-    return out
 
 def _expand(h, h_strides, parts: int, br: int, B, token_slots, y, rank: int, splits, segments, block_n, tiles):
     """The expand launch: h_strides (token, slot, member, split) of the codes, as _expand_kernel reads them."""

@@ -85,41 +85,12 @@ if triton is not None:
         wait_prior(PDL)
         x = tl.load(x_ptr + row * stride_x + n, mask=m, other=0.0).to(tl.float32)
         d = tl.load(d_ptr + row * stride_d + n, mask=m, other=0.0).to(tl.float32)
-        _add_then_norm(x, d, w, sum_ptr + row * stride_s, out_ptr + row * stride_o, n, m, N, eps)
-
-    @triton.jit
-    def _add_then_norm(x, d, w, sum_row, out_row, n, m, N, eps):
-        """One row's residual add (rounded to the sum's dtype) stored, then its RMSNorm times w stored."""
-        s = (x + d).to(sum_row.dtype.element_ty)
-        tl.store(sum_row + n, s, mask=m)
+        s = (x + d).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * stride_s + n, s, mask=m)
         s = s.to(tl.float32)
         r = tl.rsqrt(tl.sum(s * s, 0) / N + eps)
-        y = (s * r).to(sum_row.dtype.element_ty).to(tl.float32)
-        tl.store(out_row + n, (w * y).to(out_row.dtype.element_ty), mask=m)
-
-    @triton.jit
-    def _add_rms_norm_lora_kernel(x_ptr, d_ptr, w_ptr, out_ptr, sum_ptr, slot_ptr, h_ptr, b_ptr, N, stride_x, stride_d,
-                                  stride_o, stride_s, stride_h, stride_hs, stride_bs, stride_br, eps,
-                                  BN: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr):
-        """_add_rms_norm_kernel for a row whose delta is a projection's output still without its token's adapter
-        delta: codes (h: every slot's side by side, the token's own at slot * stride_hs) @ B[slot, :R] is added
-        to it first, rounded to delta's dtype as the expand's store into the output would round it."""
-        row = tl.program_id(0).to(tl.int64)
-        n = tl.arange(0, BN)
-        m = n < N
-        w = tl.load(w_ptr + n, mask=m, other=0.0).to(tl.float32)
-        s = tl.load(slot_ptr + row).to(tl.int64)
-        has = s >= 0  # a token without an adapter: the plain residual add
-        s = tl.maximum(s, 0)
-        wait_prior(PDL)
-        x = tl.load(x_ptr + row * stride_x + n, mask=m, other=0.0).to(tl.float32)
-        d = tl.load(d_ptr + row * stride_d + n, mask=m, other=0.0).to(tl.float32)
-        hp = h_ptr + row * stride_h + s * stride_hs
-        for i in tl.static_range(R):  # one rank row of B at a time ([BN] each: [R, BN] at once would spill)
-            code = tl.load(hp + i, mask=has, other=0.0).to(tl.float32)
-            d += code * tl.load(b_ptr + s * stride_bs + i * stride_br + n, mask=m & has, other=0.0).to(tl.float32)
-        d = d.to(d_ptr.dtype.element_ty).to(tl.float32)
-        _add_then_norm(x, d, w, sum_ptr + row * stride_s, out_ptr + row * stride_o, n, m, N, eps)
+        y = (s * r).to(sum_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + n, (w * y).to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _norm_codes_kernel(x_ptr, d_ptr, w_ptr, out_ptr, sum_ptr, a_ptr, slot_ptr, h_ptr, N, stride_as, stride_ar,
@@ -273,9 +244,6 @@ def add_rms_norm(x, delta, weight, eps, codes=None, delta_lora=None):
     normed = rms_norm(summed, weight, eps) by rms_norm's arithmetic: the decoder's `x = x + h; norm(x)` without the
     add's own kernel and its round trip through memory. For passes without autograd. (Under TRITON_INTERPRET=1 a
     bf16 sum may sit one ulp towards zero: the interpreter truncates fp32 -> bf16 casts.)"""
-    if delta_lora is not None and "codes" in delta_lora:
-        assert codes is None, "codes in the norm's launch are for a batch of one; this delta is of several tokens"
-        return add_rms_norm_lora(x, delta, weight, eps, delta_lora)
     if codes is not None or delta_lora is not None:
         return _norm_codes(x, delta, weight, eps, codes, delta_lora)
     shape = x.shape
@@ -288,33 +256,6 @@ def add_rms_norm(x, delta, weight, eps, codes=None, delta_lora=None):
                                          out.stride(0), summed.stride(0), eps, BN=triton.next_power_of_2(shape[-1]),
                                          **pdl(x.device))
     return out.view(shape), summed.view(shape)
-
-
-# warps of add_rms_norm_lora's programs (one a row; sm_90, a 7B row at rank 16: 180 registers, nothing spilled at
-# 8, 255 at 4)
-LORA_WARPS = 8
-
-
-def add_rms_norm_lora(x, delta, weight, eps, delta_lora):
-    """add_rms_norm of rows [T, N] whose delta is a projection's output without its adapter deltas, which are added
-    first, each token its own slot's (the multi-token decode path: o_proj's and down_proj's expand launches folded
-    into the norm after them; dark.lora.slots.SlotLoRA.extended's defer). delta_lora: {"codes": every slot's codes
-    side by side [T, slots * stride] (any row stride; the extended GEMM's extra columns), "B": [slots, stride, N],
-    "slot": [T] integers (-1: none), "rank", "stride"}. Returns (normed, summed) as add_rms_norm does."""
-    T, N = x.shape
-    h, B, slot = delta_lora["codes"], delta_lora["B"], delta_lora["slot"]
-    assert delta.shape == x.shape and x.stride(1) == 1 and delta.stride(1) == 1 and h.stride(1) == 1
-    assert B.stride(2) == 1 and B.shape[2] == N and slot.numel() == T and delta_lora["rank"] <= delta_lora["stride"]
-    dtype = torch.promote_types(x.dtype, delta.dtype)
-    summed = torch.empty(T, N, device=x.device, dtype=dtype)
-    out = torch.empty(T, N, device=x.device, dtype=torch.promote_types(weight.dtype, dtype))
-    if T:
-        _add_rms_norm_lora_kernel[(T,)](x, delta, weight, out, summed, slot.view(-1), h, B, N, x.stride(0),
-                                        delta.stride(0), out.stride(0), summed.stride(0), h.stride(0),
-                                        delta_lora["stride"], B.stride(0), B.stride(1), eps,
-                                        BN=triton.next_power_of_2(N), R=delta_lora["rank"], num_warps=LORA_WARPS,
-                                        **pdl(x.device))
-    return out, summed
 
 
 # codes a program of _norm_codes_kernel computes, and its warps (knobs for bench/profile_offline.py's A/B)

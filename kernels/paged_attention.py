@@ -68,29 +68,27 @@ if triton is not None:
 
     @triton.jit
     def _head_deltas(lh_ptr, b1, b2, member, has, R: tl.constexpr, BR: tl.constexpr, SPLITS: tl.constexpr,
-                     SP: tl.constexpr, L2_ONLY: tl.constexpr, MS: tl.constexpr):
+                     SP: tl.constexpr, L2_ONLY: tl.constexpr):
         """One head's adapter delta, its two halves [HALF] in fp32, from its member's codes (the partial sums of
-        lh [SPLITS, 3, MS] added up; member m's at m * MS) and its B columns b1, b2 [BR, HALF]. A token with no
-        slot (has false): its codes were never written (any bits, NaN too), so none of them is read. L2_ONLY: the
-        codes read past L1."""
+        lh [SPLITS, 3, BR] added up) and its B columns b1, b2 [BR, HALF]. A token with no slot (has false): its
+        codes were never written (any bits, NaN too), so none of them is read. L2_ONLY: the codes read past L1."""
         r = tl.arange(0, BR)
         sp = tl.arange(0, SP)
-        ptrs = lh_ptr + sp[:, None] * (3 * MS) + member * MS + r[None, :]
+        ptrs = lh_ptr + sp[:, None] * (3 * BR) + member * BR + r[None, :]
         mask = (sp < SPLITS)[:, None] & ((r < R) & has)[None, :]
         if L2_ONLY:
             hs = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
         else:
             hs = tl.load(ptrs, mask=mask, other=0.0)
-        code = tl.sum(hs.to(tl.float32), 0)
+        code = tl.sum(hs, 0)
         return tl.sum(b1 * code[:, None], 0), tl.sum(b2 * code[:, None], 0)
 
     @triton.jit
     def _qkv_rotary_store_kernel(y_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr, stride_y, stride_c,
-                                 stride_q, lslot_ptr, lh_ptr, lb_ptr, stride_bs, stride_br, stride_lt, stride_ls,
+                                 stride_q, lslot_ptr, lh_ptr, lb_ptr, stride_bs, stride_br,
                                  NH: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr, LORA: tl.constexpr,
                                  R: tl.constexpr, BR: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
-                                 CODES_AFTER: tl.constexpr, MULTI: tl.constexpr, MS: tl.constexpr,
-                                 PDL: tl.constexpr):
+                                 CODES_AFTER: tl.constexpr, PDL: tl.constexpr):
         # one program per (token, head of y): heads [0, NH) are q's, rotated into q; [NH, NH + NKV) k's, rotated
         # into the key cache; the rest v's, copied into the value cache. The rotation is the rotary kernel's.
         # LORA (a batch of one): the adapter's delta of the head's columns added to y first (y + delta rounded to
@@ -99,21 +97,13 @@ if triton is not None:
         # projection's (the norm, or lora_shrink): under dependent launch this kernel starts only once every program
         # of the projection has passed its own wait, so that kernel is finished and its writes are in L2 (read past
         # L1: ".cg"). CODES_AFTER: the codes read after the wait instead, beside y.
-        # MULTI (several tokens, each its own slot): every slot's codes side by side in the row of the GEMM just
-        # before (the extended weights' extra columns: token t, slot s at t * stride_lt + s * stride_ls), read
-        # after the wait (CODES_AFTER), as that GEMM writes them.
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         d = tl.arange(0, HALF)
         src = y_ptr + t * stride_y + h * (2 * HALF) + d
         if LORA:
             member = (h >= NH).to(tl.int32) + (h >= NH + NKV).to(tl.int32)
-            if MULTI:
-                ls = tl.load(lslot_ptr + t).to(tl.int64)
-                lh = lh_ptr + t * stride_lt + tl.maximum(ls, 0) * stride_ls
-            else:
-                ls = tl.load(lslot_ptr).to(tl.int64)
-                lh = lh_ptr
+            ls = tl.load(lslot_ptr).to(tl.int64)
             has = ls >= 0
             r = tl.arange(0, BR)
             bcol = lb_ptr + tl.maximum(ls, 0) * stride_bs + r[:, None] * stride_br + h * (2 * HALF) + d[None, :]
@@ -121,7 +111,7 @@ if triton is not None:
             b1 = tl.load(bcol, mask=bm, other=0.0).to(tl.float32)
             b2 = tl.load(bcol + HALF, mask=bm, other=0.0).to(tl.float32)
             if not CODES_AFTER:
-                delta1, delta2 = _head_deltas(lh, b1, b2, member, has, R, BR, SPLITS, SP, True, MS)
+                delta1, delta2 = _head_deltas(lh_ptr, b1, b2, member, has, R, BR, SPLITS, SP, True)
         wait_prior(PDL)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         cache = tl.maximum(slot, 0) * (NKV * 2 * HALF) + d  # a cache row of NKV heads, as store_kv's
@@ -130,7 +120,7 @@ if triton is not None:
         y2 = tl.load(src + HALF)
         if LORA:
             if CODES_AFTER:
-                delta1, delta2 = _head_deltas(lh, b1, b2, member, has, R, BR, SPLITS, SP, False, MS)
+                delta1, delta2 = _head_deltas(lh_ptr, b1, b2, member, has, R, BR, SPLITS, SP, False)
             y1 = (y1.to(tl.float32) + delta1).to(y_ptr.dtype.element_ty)
             y2 = (y2.to(tl.float32) + delta2).to(y_ptr.dtype.element_ty)
         if h < NH + NKV:
@@ -315,11 +305,7 @@ def qkv_rotary_store(y, nh, nkv, d, cos, sin, k_cache, v_cache, slot_mapping, lo
     added it in the projection (the same dict: "h" the q/k/v group's codes [1, splits, 3, BR] from the kernel
     before the projection's, which must not be the kernel just before this one: they are read before its wait;
     "B" [slots, rows, (nh + 2 * nkv) * d], "slot", "rank", "splits" the members' widths).
-    The q/k/v GEMV then runs as the base model's, and each head's program reads only its own columns of B.
-    Several tokens (the extended weights' GEMM: dark.lora.slots.SlotLoRA.extended's defer): lora = {"codes":
-    every slot's codes side by side [T, slots * 3 * stride] (the GEMM's extra columns, any row stride), "B",
-    "slot" [T] (-1: none), "rank", "stride" (rows a member has in a slot), "splits"}: each token its own slot's
-    delta, in place of lora_expand_codes' launch."""
+    The q/k/v GEMV then runs as the base model's, and each head's program reads only its own columns of B."""
     T = y.shape[0]
     assert y.dim() == 2 and y.shape[1] == (nh + 2 * nkv) * d and y.stride(1) == 1 and d % 2 == 0
     assert k_cache.shape[2:] == (nkv, d) and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -327,24 +313,15 @@ def qkv_rotary_store(y, nh, nkv, d, cos, sin, k_cache, v_cache, slot_mapping, lo
     half = d // 2
     assert half & (half - 1) == 0, "head_dim / 2 must be a power of two"
     q = torch.empty(T, nh, d, device=y.device, dtype=y.dtype)
-    if lora is not None and "codes" in lora:  # several tokens, each its own slot
-        hc, B, ls, ms = lora["codes"], lora["B"], lora["slot"], lora["stride"]
-        assert ls.numel() == T and hc.stride(1) == 1 and hc.shape[0] == T and lora["rank"] <= ms
-        assert list(lora["splits"]) == [nh * d, nkv * d, nkv * d] and B.stride(2) == 1
-        largs = (ls.view(-1), hc, B, B.stride(0), B.stride(1), hc.stride(0), 3 * ms)
-        lconst = dict(LORA=True, R=lora["rank"], BR=max(16, triton.next_power_of_2(lora["rank"])), SPLITS=1,
-                      SP=1, CODES_AFTER=True, MULTI=True, MS=ms)
-    elif lora is not None:
+    if lora is not None:
         hc, B, ls = lora["h"], lora["B"], lora["slot"]
         assert T == 1 and ls.numel() == 1 and hc.is_contiguous() and hc.shape[0] == 1 and hc.shape[2] == 3
         assert list(lora["splits"]) == [nh * d, nkv * d, nkv * d] and B.stride(2) == 1
-        largs = (ls, hc, B, B.stride(0), B.stride(1), 0, 0)
+        largs = (ls, hc, B, B.stride(0), B.stride(1))
         lconst = dict(LORA=True, R=lora["rank"], BR=hc.shape[3], SPLITS=hc.shape[1],
-                      SP=triton.next_power_of_2(hc.shape[1]), CODES_AFTER=ROTARY_CODES_AFTER, MULTI=False,
-                      MS=hc.shape[3])
+                      SP=triton.next_power_of_2(hc.shape[1]), CODES_AFTER=ROTARY_CODES_AFTER)
     else:
-        largs = (None, None, None, 0, 0, 0, 0)
-        lconst = dict(LORA=False, R=1, BR=16, SPLITS=1, SP=1, CODES_AFTER=False, MULTI=False, MS=16)
+        largs, lconst = (None, None, None, 0, 0), dict(LORA=False, R=1, BR=16, SPLITS=1, SP=1, CODES_AFTER=False)
     if T:
         _qkv_rotary_store_kernel[(T, nh + 2 * nkv)](y, cos, sin, q, k_cache, v_cache, slot_mapping, y.stride(0),
                                                    cos.stride(0), q.stride(0), *largs, NH=nh, NKV=nkv, HALF=half,

@@ -222,51 +222,6 @@ def test_one_gemm_over_extended_weights_then_the_expand_matches_reference(mix, l
     assert (delta_out - delta_ref).norm() <= 2 * tol * delta_ref.norm() + 1e-6
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
-@pytest.mark.parametrize("mix", ["mixed", "40_tokens_2_slots", "unsorted", "single", "single_none", "all_none"])
-@pytest.mark.parametrize("tiling", [(None, None), (64, 2)], ids=["default_tiles", "64_wide_2_a_program"])
-def test_gate_up_expand_with_silu_mul_in_one_launch(tiling, mix, dtype, tol):
-    """lora_expand_glu: one launch for what lora_expand_codes into the gate/up product, then silu_mul, give (the
-    same values: the sum is rounded to the product's dtype before the SiLU), written over the
-    product's gate columns; tokens without an adapter get plain silu(gate) * up. Against a torch reference too:
-    silu(gate + delta) * (up + delta) with lora_reference's deltas. Size 300: a masked tail in the last tile."""
-    import torch.nn.functional as F
-    from dark.kernels.lora import lora_expand_codes, lora_expand_glu, lora_segments
-    from dark.kernels.norm_rope import silu_mul
-
-    size, max_rank, rank, fan_in, slots_n = 300, 16, 8, 96, 4
-    token_slots = torch.tensor(SLOT_MIXES[mix])
-    A, B, x, _ = _lora_case(token_slots, fan_in, [size, size], rank, max_rank, dtype, seed=len(mix) * 5 + 1)
-    W = (torch.randn(2 * size, fan_in, generator=torch.Generator().manual_seed(3)) * 0.1).to(DEV, dtype)
-    y_ext = x @ torch.cat([W, A.reshape(-1, fan_in)]).t()
-    slots_dev, segments = token_slots.to(DEV), lora_segments(token_slots.to(DEV), max_slots=slots_n)
-    pair = y_ext.clone()
-    lora_expand_codes(pair[:, 2 * size:], B, slots_dev, pair[:, :2 * size], rank, max_rank, splits=[size, size],
-                      segments=segments)
-    want = silu_mul(pair[:, :2 * size], size)
-    block_n, tiles = tiling
-    got = y_ext.clone()
-    act = lora_expand_glu(got[:, 2 * size:], B, slots_dev, got[:, :2 * size], size, rank, max_rank,
-                          segments=segments, block_n=block_n, tiles=tiles)
-    assert act.data_ptr() == got.data_ptr(), "the activation goes over the product's gate columns"
-    fresh = lora_expand_glu(y_ext[:, 2 * size:], B, slots_dev, y_ext[:, :2 * size].clone(), size, rank, max_rank,
-                            out=torch.full((len(token_slots), size), float("nan"), device=DEV, dtype=dtype))
-    for out in (act, fresh):  # the second: its own table (no segments given), a separate output
-        # the same sums, up to the order a dot of another tile shape adds in (then at most a rounding flip in bf16)
-        torch.testing.assert_close(out.cpu(), want.cpu(), rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-5, atol=1e-6)
-        assert (out.cpu() == want.cpu()).float().mean() > 0.98, "not the expand then silu_mul's values"
-    base = y_ext[:, :2 * size].double().cpu()
-    ref = lora_reference(x.cpu().double(), base, A.cpu().double(), B.cpu().double(), token_slots, rank,
-                         splits=[size, size], stride=max_rank)
-    ref = F.silu(ref[:, :size]) * ref[:, size:]
-    assert rel_err(act.cpu(), ref) < tol
-    plain = F.silu(base[:, :size]) * base[:, size:]
-    for t, s in enumerate(token_slots.tolist()):
-        if s < 0:
-            assert torch.allclose(act[t].cpu().double(), plain[t], rtol=tol, atol=tol), "no adapter: plain silu * up"
-        else:
-            assert not torch.allclose(act[t].cpu().double(), plain[t], rtol=tol, atol=tol), "the delta is missing"
-
 def compile_for_hopper(module: str, kernel: str, types: dict, constants: dict, num_warps: int = 4) -> dict:
     """Compile a Triton kernel for sm_90 (the H100's and H200's) on any machine, with no GPU: Triton's own
     compiler and the ptxas it ships, in a process of its own without TRITON_INTERPRET (under it @triton.jit makes
@@ -283,8 +238,8 @@ import json, os, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import dark.kernels.{module} as mod
-k = mod.{kernel}
+from dark.models.decoder import kernel_module  # dark.kernels, also in a checkout on PYTHONPATH
+k = getattr(kernel_module("{module}"), "{kernel}")
 types, constants = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 signature = {{**types, **{{name: "constexpr" for name in constants}}}}
 assert set(signature) == set(k.arg_names), sorted(set(k.arg_names) ^ set(signature))
@@ -304,71 +259,32 @@ with tempfile.TemporaryDirectory() as tmp:
     return {k: int(v) for k, v in fields.items() if v.isdigit()}
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_gate_up_expand_with_silu_mul_compiles_for_hopper(dtype):
-    """lora_expand_glu's kernel as the engine launches it (7B gate/up, rank 16: its tiles for the dtype, 4 warps,
-    under dependent launch) compiles for sm_90 with nothing spilled to local memory."""
+@pytest.mark.parametrize("members", [1, 2, 3], ids=["plain", "gate_up", "qkv"])
+def test_lora_expand_compiles_for_hopper(members):
+    """The expand kernel as a 7B decode step of several tokens launches it (bf16, rank 16 in slots of 16 rows, its
+    warps, under dependent launch; the extended GEMM's codes) compiles for sm_90 with nothing spilled."""
     from dark.kernels import lora
 
-    ints = ["T", "SIZE", "G", "stride_bs", "stride_br", "stride_yt", "stride_ot", "stride_ht", "stride_hs",
-            "stride_hm"]
-    types = {**{n: "*" + dtype for n in ("h_ptr", "b_ptr", "y_ptr", "o_ptr")}, "table_ptr": "*i32",
-             "slot_ptr": "*i32", **{n: "i32" for n in ints}}
-    block_n = lora.glu_block_n(torch.bfloat16 if dtype == "bf16" else torch.float32)
-    usage = compile_for_hopper("lora", "_expand_glu_kernel", types, dict(R=16, BR=16, BN=block_n, TILES=2,
-                                                                          BT=lora.BLOCK_T, UPCAST=False, PDL=True))
+    ints = ["N", "N1", "N2", "stride_bs", "stride_br", "stride_yt", "stride_ht", "stride_hs", "stride_hm", "stride_hp"]
+    types = {**{n: "*bf16" for n in ("h_ptr", "b_ptr", "y_ptr")}, "table_ptr": "*i32", **{n: "i32" for n in ints}}
+    mb = (4 if members == 3 else members) * 16
+    consts = dict(R=16, BR=16, MB=mb, SPLITS=1, BN=lora.EXPAND_BLOCK_N, TILES=3, MEMBERS=members, BT=lora.BLOCK_T,
+                  SORTED=True, UPCAST=False, PDL=True)
+    usage = compile_for_hopper("lora", "_expand_kernel", types, consts, num_warps=lora.EXPAND_WARPS)
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0 and 0 < usage["REG"] <= 255, usage
 
-@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
-@pytest.mark.parametrize("mix", ["mixed", "40_tokens_2_slots", "unsorted", "single", "all_none"])
-def test_residual_norm_adds_the_deferred_deltas_of_several_tokens(mix, dtype, tol):
-    """add_rms_norm with a multi-token delta_lora (o_proj's or down_proj's expand folded into the norm after it):
-    what lora_expand_codes into the projection's output, then add_rms_norm, give (the same sums up to the order
-    of the adds, then at most a rounding flip in bf16), and against torch: norm(x + y + delta). A token without an
-    adapter gets the plain residual add."""
-    from dark.kernels.lora import lora_expand_codes, lora_segments
-    from dark.kernels.norm_rope import add_rms_norm, add_rms_norm_reference
 
-    width, max_rank, rank, fan_in, slots_n = 200, 16, 8, 96, 4
-    token_slots = torch.tensor(SLOT_MIXES[mix])
-    A, B, x_in, _ = _lora_case(token_slots, fan_in, [width], rank, max_rank, dtype, seed=len(mix) * 3 + 2)
-    g = torch.Generator().manual_seed(11)
-    W = (torch.randn(width, fan_in, generator=g) * 0.1).to(DEV, dtype)
-    residual = torch.randn(len(token_slots), width, generator=g).to(DEV, dtype)
-    weight = (torch.rand(width, generator=g) + 0.5).to(DEV, dtype)
-    y_ext = x_in @ torch.cat([W, A.reshape(-1, fan_in)]).t()
-    slots_dev = token_slots.to(DEV)
-    pair = y_ext.clone()
-    lora_expand_codes(pair[:, width:], B, slots_dev, pair[:, :width], rank, max_rank,
-                      segments=lora_segments(slots_dev, max_slots=slots_n))
-    want_normed, want_sum = add_rms_norm(residual, pair[:, :width], weight, 1e-6)
-    spec = {"codes": y_ext[:, width:], "B": B, "slot": slots_dev, "rank": rank, "stride": max_rank}
-    normed, summed = add_rms_norm(residual, y_ext[:, :width], weight, 1e-6, delta_lora=spec)
-    for got, want in ((normed, want_normed), (summed, want_sum)):
-        torch.testing.assert_close(got.cpu(), want.cpu(), rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-5,
-                                   atol=1e-5)
-        if dtype == torch.bfloat16:  # (fp32 keeps the adds' order in its last bits)
-            assert (got.cpu() == want.cpu()).float().mean() > 0.98
-    base = y_ext[:, :width].cpu().double()
-    ref_y = lora_reference(x_in.cpu().double(), base, A.cpu().double(), B.cpu().double(), token_slots, rank)
-    ref = add_rms_norm_reference(residual.cpu().double(), ref_y, weight.cpu().double(), 1e-6)[0]
-    assert rel_err(normed.cpu(), ref) < tol
-    plain = add_rms_norm(residual, y_ext[:, :width], weight, 1e-6)[0].cpu()
-    for t, s in enumerate(token_slots.tolist()):
-        assert torch.equal(normed[t].cpu(), plain[t]) == (s < 0), "a token's delta added or not as its slot says"
+def test_qkv_rotary_store_with_a_delta_compiles_for_hopper():
+    """qkv_rotary_store's kernel with a batch of one's adapter delta (Qwen2.5-7B heads, rank 16, partial sums of the
+    codes read before the wait) compiles for sm_90 with nothing spilled."""
+    from dark.kernels import paged_attention
 
-
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_residual_norm_with_deferred_deltas_compiles_for_hopper(dtype):
-    """add_rms_norm_lora's kernel at a 7B row (3584: 4096 lanes), rank 16, its warps, under dependent launch:
-    compiles for sm_90 with nothing spilled."""
-    from dark.kernels import norm_rope
-
-    ints = ["N", "stride_x", "stride_d", "stride_o", "stride_s", "stride_h", "stride_hs", "stride_bs", "stride_br"]
-    types = {**{n: "*" + dtype for n in ("x_ptr", "d_ptr", "w_ptr", "out_ptr", "sum_ptr", "h_ptr", "b_ptr")},
-             "slot_ptr": "*i32", **{n: "i32" for n in ints}, "eps": "fp32"}
-    usage = compile_for_hopper("norm_rope", "_add_rms_norm_lora_kernel", types, dict(BN=4096, R=16, PDL=True),
-                               num_warps=norm_rope.LORA_WARPS)
+    ints = ["stride_y", "stride_c", "stride_q", "stride_bs", "stride_br"]
+    types = {**{n: "*bf16" for n in ("y_ptr", "cos_ptr", "sin_ptr", "q_ptr", "kc_ptr", "vc_ptr", "lb_ptr")},
+             "slot_ptr": "*i64", "lslot_ptr": "*i32", "lh_ptr": "*fp32", **{n: "i32" for n in ints}}
+    consts = dict(NH=28, NKV=4, HALF=64, LORA=True, R=16, BR=16, SPLITS=4, SP=4,
+                  CODES_AFTER=paged_attention.ROTARY_CODES_AFTER, PDL=True)
+    usage = compile_for_hopper("paged_attention", "_qkv_rotary_store_kernel", types, consts)
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0 and 0 < usage["REG"] <= 255, usage
 
 def test_lora_shrink_writes_each_token_row():
@@ -580,10 +496,8 @@ def test_engine_decode_over_extended_weights_matches_plain_path(tiny_models, tmp
     """The weights laid out as the engine lays them out on CUDA (AdapterSlots.extend_weights: every slot's A rows
     after each projection's own, here after two adapters were loaded, whose factors move into the new rows): the
     model's parameters are views of the extended blocks, steps of several tokens with adapters take one product
-    for the base output and the codes, then the deltas in the kernel after it: q/k/v's in the rotary and cache store
-    (qkv_rotary_store), gate/up's with the SiLU * mul (lora_expand_glu), o's and down's in the residual norm
-    (add_rms_norm_lora), with no expand launch; a batch mixing two
-    adapters and none gives the plain path's tokens and log-probabilities, with each fold on or off."""
+    for the base output and the codes and lora_expand_codes for the deltas, and a batch mixing two adapters and
+    none gives the plain path's tokens and log-probabilities."""
     from dark import OnlineLLM
     from test_lora import make_peft_adapter
 
@@ -607,41 +521,22 @@ def test_engine_decode_over_extended_weights_matches_plain_path(tiny_models, tmp
             ext = slots.extended[(1, key)][0]
             for p in params:
                 assert p.weight.untyped_storage().data_ptr() == ext.untyped_storage().data_ptr(), key
-        calls = {(mod, name): [] for mod, name in (("lora", "lora_expand_codes"), ("lora", "lora_expand_glu"),
-                                                   ("norm_rope", "add_rms_norm_lora"),
-                                                   ("paged_attention", "qkv_rotary_store"))}
-        for (mod, name), seen in calls.items():
-            def counted(first, *args, _real=getattr(kernel_module(mod), name), _seen=seen, _name=name, **kw):
-                if _name != "qkv_rotary_store" or "codes" in (kw.get("lora") or {}):  # the rotary: with deltas
-                    _seen.append(first.shape[0])
-                return _real(first, *args, **kw)
+        lk = kernel_module("lora")
+        calls = []
+        real = lk.lora_expand_codes
 
-            monkeypatch.setattr(kernel_module(mod), name, counted)
+        def counted(codes, *args, **kw):
+            calls.append(codes.shape[0])
+            return real(codes, *args, **kw)
+
+        monkeypatch.setattr(lk, "lora_expand_codes", counted)
         fast = _generate_mixed(llm, 6)
-        counts = {name: sum(1 for t in seen if t == 3) for (_, name), seen in calls.items()}
-        for seen in calls.values():
-            seen.clear()
-        variants = {}
-        for setting in ("DARK_LORA_GLU", "DARK_LORA_DEFER"):  # the launches each of them folds, one at a time
-            monkeypatch.setenv(setting, "0")
-            variants[setting] = _generate_mixed(llm, 6)
-            monkeypatch.delenv(setting)
     finally:
         llm.close()
-    # 2 layers, >= 4 steps of three tokens: no expand launch of its own; q/k/v's deltas in the rotary and cache
-    # store, gate/up's with the SiLU * mul, o's and down's in the norms after them
-    assert counts["lora_expand_codes"] == 0 and counts["lora_expand_glu"] >= 2 * 4, counts
-    assert counts["add_rms_norm_lora"] >= 2 * 2 * 4 and counts["qkv_rotary_store"] >= 2 * 4, counts
-    expands = sum(1 for t in calls[("lora", "lora_expand_codes")] if t == 3)
-    # gate/up's without the GLU fold, q/k/v's, o's and down's without the deferral
-    assert expands >= (1 + 3) * 2 * 4, "DARK_LORA_GLU=0 / DARK_LORA_DEFER=0 did not take the expands again"
-    for i, (p, f) in enumerate(zip(plain, fast)):
+    assert sum(1 for t in calls if t == 3) >= 4 * 2 * 4, "the decode steps of three did not take the extended path"
+    for p, f in zip(plain, fast):
         assert f.output_ids == p.output_ids
         torch.testing.assert_close(torch.tensor(f.logprobs), torch.tensor(p.logprobs), atol=1e-4, rtol=1e-4)
-        for setting, runs in variants.items():
-            assert runs[i].output_ids == p.output_ids, setting
-            torch.testing.assert_close(torch.tensor(runs[i].logprobs), torch.tensor(f.logprobs), atol=1e-5,
-                                       rtol=1e-5, msg=setting)
 
 
 def test_weights_are_not_extended_past_the_row_limit(tiny_models, tmp_path):
@@ -821,56 +716,6 @@ def test_qkv_rotary_store_adds_the_lora_delta(dtype, tol, slot, splits):
     assert rel_err(q.cpu(), qkv_rotary_store_reference(y.cpu(), nh, nkv, d, cos.cpu(), sin.cpu(), k_ref.clone(),
                                                       v_ref.clone(), mapping.cpu())) > 10 * tol  # the delta shows
 
-
-@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
-@pytest.mark.parametrize("mix", ["mixed", "unsorted", "all_none"])
-def test_qkv_rotary_store_adds_the_deltas_of_several_tokens(mix, dtype, tol):
-    """Several tokens whose q/k/v came out of the GEMM over the extended weights without their deltas (every
-    slot's codes side by side after the base columns): qkv_rotary_store adds each token's own slot's delta per head
-    before rotating and storing, what lora_expand_codes then the plain launch give (up to the adds' order); a token
-    without an adapter gets the base result exactly."""
-    from dark.kernels.lora import lora_expand_codes
-    from dark.kernels.paged_attention import qkv_rotary_store, qkv_rotary_store_reference
-
-    nh, nkv, d, rank, max_rank, slots_n, fan_in = 4, 2, 16, 5, 8, 4, 40
-    token_slots = torch.tensor(SLOT_MIXES[mix])
-    T, outs = len(token_slots), [nh * d, nkv * d, nkv * d]
-    _, cos, sin, kc, vc = _qkv_case(T, nh, nkv, d, 8, 4, dtype, seed=len(mix))
-    A, B, x, _ = _lora_case(token_slots, fan_in, outs, rank, max_rank, dtype, seed=len(mix) + 1, slots_n=slots_n)
-    W = (torch.randn(sum(outs), fan_in, generator=torch.Generator().manual_seed(5)) * 0.2).to(DEV, dtype)
-    y_ext = x @ torch.cat([W, A.reshape(-1, fan_in)]).t()
-    y, codes = y_ext[:, :sum(outs)], y_ext[:, sum(outs):]
-    slots_dev = token_slots.to(DEV)
-    mapping = torch.randperm(32, generator=torch.Generator().manual_seed(2))[:T].to(DEV)
-    k0, v0 = kc.clone(), vc.clone()
-    spec = {"codes": codes, "B": B, "slot": slots_dev, "rank": rank, "stride": max_rank, "splits": outs}
-    q = qkv_rotary_store(y, nh, nkv, d, cos, sin, kc, vc, mapping, lora=spec)
-    with_delta = lora_expand_codes(codes, B, slots_dev, y.clone(), rank, max_rank, splits=outs)
-    q_two = qkv_rotary_store(with_delta, nh, nkv, d, cos, sin, k0, v0, mapping)
-    assert rel_err(q, q_two) < tol / 4 and rel_err(kc, k0) < tol / 4 and rel_err(vc, v0) < tol / 4
-    plain_k, plain_v = kc.clone(), vc.clone()
-    q_plain = qkv_rotary_store(y, nh, nkv, d, cos, sin, plain_k, plain_v, mapping)
-    for t, s in enumerate(token_slots.tolist()):
-        assert torch.equal(q[t], q_plain[t]) == (s < 0), "a token's delta added or not as its slot says"
-    base = y.cpu().double()
-    ref = lora_reference(x.cpu().double(), base, A.cpu().double(), B.cpu().double(), token_slots, rank,
-                         splits=outs, stride=max_rank)
-    k_ref, v_ref = kc.cpu().clone(), vc.cpu().clone()
-    q_ref = qkv_rotary_store_reference(ref.to(dtype), nh, nkv, d, cos.cpu(), sin.cpu(), k_ref, v_ref, mapping.cpu())
-    assert rel_err(q.cpu(), q_ref) < tol and rel_err(kc.cpu(), k_ref) < tol and rel_err(vc.cpu(), v_ref) < tol
-
-@pytest.mark.parametrize("multi", [True, False], ids=["several_tokens", "batch_of_one"])
-def test_qkv_rotary_store_with_deltas_compiles_for_hopper(multi):
-    """qkv_rotary_store's kernel with the adapter's deltas (Qwen2.5-7B heads, rank 16 in slots of 64 rows; several
-    tokens' codes from the extended GEMM, or a batch of one's partial sums) compiles for sm_90, nothing spilled."""
-    ints = ["stride_y", "stride_c", "stride_q", "stride_bs", "stride_br", "stride_lt", "stride_ls"]
-    types = {**{n: "*bf16" for n in ("y_ptr", "cos_ptr", "sin_ptr", "q_ptr", "kc_ptr", "vc_ptr", "lb_ptr")},
-             "slot_ptr": "*i64", "lslot_ptr": "*i32", "lh_ptr": "*bf16" if multi else "*fp32",
-             **{n: "i32" for n in ints}}
-    consts = dict(NH=28, NKV=4, HALF=64, LORA=True, R=16, BR=16, SPLITS=1 if multi else 4, SP=1 if multi else 4,
-                  CODES_AFTER=multi, MULTI=multi, MS=64 if multi else 16, PDL=True)
-    usage = compile_for_hopper("paged_attention", "_qkv_rotary_store_kernel", types, consts)
-    assert usage["LOCAL"] == 0 and usage["STACK"] == 0 and 0 < usage["REG"] <= 255, usage
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("tokens,heads,d", [(3, 4, 16), (5, 7, 64)])

@@ -15,13 +15,9 @@ input is a device tensor of slots, which a CUDA graph can keep (the sort is capt
 On CUDA the engine also lays each layer's q/k/v, o_proj, gate/up and down_proj weight out with every slot's A rows
 after the projection's own rows (extend_weights; the model's parameters are views of the base rows). A step of
 several tokens with adapters (decode) then runs the projection as one GEMM over the whole block, which gives the
-base output and every slot's codes side by side (SlotLoRA.extended): the shrink launch is gone and cuBLAS reads the
-A bytes in the GEMM's own pass (H200, 64 sequences over 32 adapters: 6.99 -> 6.21 ms a step). Nor does an expand
-launch follow: the kernel that reads the projection's output next adds each token's own slot's delta as it reads
-it (q/k/v: the decode attention's rotary and cache store; gate/up: lora_expand_glu with the SiLU * mul; o_proj and
-down_proj: the residual add's norm, add_rms_norm_lora), the codes read out of the GEMM's extra columns. Where no
-such kernel follows (a step off the decode attention, DARK_LORA_DEFER=0 / DARK_LORA_GLU=0), lora_expand_codes adds
-them after the GEMM. A batch of one keeps the GEMV path, which reads the base rows.
+base output and every slot's codes side by side, and only the expand launch adds each token's own slot's delta
+(SlotLoRA.extended): the shrink launch is gone and cuBLAS reads the A bytes in the GEMM's own pass (H200, 64
+sequences over 32 adapters: 6.99 -> 6.21 ms a step). A batch of one keeps the GEMV path, which reads the base rows.
 """
 from __future__ import annotations
 
@@ -372,24 +368,14 @@ class SlotLoRA:
                                                   stride=stride, segments=self.kernel_segments)
         return {"h": h, "B": B, "slot": self.kernel_slots, "rank": self.r, "splits": outs}
 
-    def _extends(self, x: torch.Tensor) -> bool:
-        """Whether x's projections may run over the extended weights: a step of several tokens on the kernel path,
-        without autograd, unless DARK_LORA_EXT=0."""
-        return (self.kernel_slots is not None and x.dim() == 2 and 1 < x.shape[0] <= KERNEL_MAX_TOKENS
-                and not torch.is_grad_enabled() and os.environ.get("DARK_LORA_EXT", "1") != "0")
-
-    def extended(self, layer: int, key: str, x: torch.Tensor, defer: bool = False) -> torch.Tensor | None:
+    def extended(self, layer: int, key: str, x: torch.Tensor) -> torch.Tensor | None:
         """A step of several tokens on the kernel path (decode), for a projection whose weight extend_weights laid
         out with every slot's A rows: one GEMM over the whole gives the base output and every slot's codes side by
         side, and lora_expand_codes adds each token's own slot's delta into the base columns. Returns the output
         (a view, rows as wide as the whole) or None: not on this path (a batch of one, a long prefill, autograd,
-        DARK_LORA_EXT=0), or no adapter targets the projection (the caller runs the plain product).
-
-        defer (the caller's next kernel adds the deltas, and takes them with take_deferred): no expand launch; the
-        output is the base product's. o_proj, down_proj: the residual add's norm after them
-        (kernels.norm_rope.add_rms_norm's delta_lora); q/k/v: the decode attention's rotary and cache store
-        (kernels.paged_attention.qkv_rotary_store's lora). DARK_LORA_DEFER=0: never."""
-        if not self._extends(x):
+        DARK_LORA_EXT=0), or no adapter targets the projection (the caller runs the plain product)."""
+        if (self.kernel_slots is None or x.dim() != 2 or not 1 < x.shape[0] <= KERNEL_MAX_TOKENS
+                or torch.is_grad_enabled() or os.environ.get("DARK_LORA_EXT", "1") == "0"):
             return None
         ext = self.slots.extended.get((layer, key))
         if ext is None:
@@ -405,30 +391,9 @@ class SlotLoRA:
                 return None
         weight, bias, out = ext
         y = project_fused(x, weight, bias)
-        if defer and os.environ.get("DARK_LORA_DEFER", "1") != "0":
-            assert self._deferred is None, "a deferred delta was never added"
-            self._deferred = {"codes": y[:, out:], "B": B, "slot": self.kernel_slots, "rank": self.r,
-                              "stride": self.slots.max_rank, "splits": outs}
-            return y[:, :out]
         return kernel_module("lora").lora_expand_codes(y[:, out:], B, self.kernel_slots, y[:, :out], self.r,
                                                        self.slots.max_rank, splits=outs,
                                                        segments=self.kernel_segments)
-
-    def extended_glu(self, layer: int, x: torch.Tensor) -> torch.Tensor | None:
-        """extended() for a layer's gate/up group, ending in silu(gate) * up: the one GEMM over the extended weight,
-        then lora_expand_glu adds each token's delta and applies the SiLU * mul in the same launch (the deltas are
-        neither written into the product nor read back by a silu_mul launch after it). The activation is a view
-        over the product's gate columns. None where extended() would decline; DARK_LORA_GLU=0: never (the expand,
-        then silu_mul)."""
-        if os.environ.get("DARK_LORA_GLU", "1") == "0" or not self._extends(x):
-            return None
-        ext, entry = self.slots.extended.get((layer, "gate_up")), self.slots.groups.get((layer, "gate_up"))
-        if ext is None or entry is None:
-            return None
-        weight, bias, out = ext
-        y = project_fused(x, weight, bias)
-        return kernel_module("lora").lora_expand_glu(y[:, out:], entry[1], self.kernel_slots, y[:, :out], out // 2,
-                                                     self.r, self.slots.max_rank, segments=self.kernel_segments)
 
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         A = self.slots.A.get((layer, module))

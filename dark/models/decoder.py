@@ -277,18 +277,15 @@ def _take_deferred(lora) -> dict | None:
     return fn() if fn is not None else None
 
 
-def _project_lora(x, weight, bias, fused: bool, lora, layer: int, key: str, group: bool = False,
-                  defer: bool = False) -> torch.Tensor:
-    """_project plus the adapter's delta (lora.apply / apply_group); for one token on the kernel path, in the GEMV.
-    defer (several tokens over the extended weights): the delta may be left for the next residual add's norm
-    (SlotLoRA.extended's defer), which takes it with _take_deferred."""
+def _project_lora(x, weight, bias, fused: bool, lora, layer: int, key: str, group: bool = False) -> torch.Tensor:
+    """_project plus the adapter's delta (lora.apply / apply_group); for one token on the kernel path, in the GEMV."""
     if _gemv_applies(x, fused):
         ep = _gemv_lora(lora, layer, key, x, group)
         if ep is not False:
             return kernel_module("gemv").gemv(x, weight, bias, lora=ep)
     if lora is not None and fused:  # several tokens with adapters (decode): base and codes in one GEMM
         ext = getattr(lora, "extended", None)
-        y = ext(layer, key, x, defer=defer) if ext is not None else None
+        y = ext(layer, key, x) if ext is not None else None
         if y is not None:
             return y
     y = _project(x, weight, bias, fused)
@@ -339,15 +336,14 @@ class Linear(nn.Module):
         # read (backward needs its input, for the gradient of the adapter's A, and its weight)
         self.output_unread_in_recompute = name == "down_proj"
 
-    def forward(self, x: torch.Tensor, lora: LoRA | None, defer: bool = False) -> torch.Tensor:
-        """defer: the adapter's delta may be left for the next residual add's norm (_project_lora)."""
+    def forward(self, x: torch.Tensor, lora: LoRA | None) -> torch.Tensor:
         if (self.output_unread_in_recompute and _RECOMPUTING.get() and torch.is_grad_enabled()
                 and os.environ.get("DARK_RECOMPUTE_SKIP", "1") != "0"):  # 0: the whole layer again (an A/B)
             # a checkpointed layer's recompute: its down_proj product (~29% of a 7B layer's FLOPs) is skipped, the
             # adapter's delta still runs (its codes are what the factors' gradients read)
             y = _UnreadProduct.apply(x, self.weight)
             return y if lora is None else lora.apply(self.layer, self.name, x, y)
-        return _project_lora(x, self.weight, self.bias, self.fused, lora, self.layer, self.name, defer=defer)
+        return _project_lora(x, self.weight, self.bias, self.fused, lora, self.layer, self.name)
 
 
 class RMSNorm(nn.Module):
@@ -447,29 +443,26 @@ class SelfAttention(nn.Module):
                 and hasattr(attn, "attend_fused_qkv") and _gemv_applies(x, self.fused)
                 and os.environ.get("DARK_QKV_LORA_LATE", "1") != "0")
 
-    def forward(self, x, cos, sin, attn: Attention, lora: LoRA | None, defer: bool = False):
-        """defer (DecoderLayer's fused path): o_proj's adapter delta may be left for the residual add's norm."""
+    def forward(self, x, cos, sin, attn: Attention, lora: LoRA | None):
         t = x.shape[0]
         training = self.fused and torch.is_grad_enabled()  # the Triton kernels' autograd forms
         if self.qkv is not None and _grouped(lora):
             # one token on the decode path: the GEMV runs as the base model's and qkv_rotary_store, which reads each
             # head's columns anyway, adds the adapter's delta (a few KB of B a head) before rotating
             late = self.late_lora(x, attn) and _gemv_lora(lora, self.layer, "qkv", x, True)
-            # serving's decode attention rotates and stores y in one launch, which can add the adapter's delta too
-            decode = self.fused and not training and self.q_norm is None and hasattr(attn, "attend_fused_qkv")
             if late is False:
-                y = _project_lora(x, *self.qkv, self.fused, lora, self.layer, "qkv", group=True, defer=decode)
-                late = _take_deferred(lora) if decode else None  # several tokens: their deltas, left to it
+                y = _project_lora(x, *self.qkv, self.fused, lora, self.layer, "qkv", group=True)
             else:
                 y = kernel_module("gemv").gemv(x, *self.qkv)
             if training and self.q_norm is None:
                 # split, rotary and their backward in a few launches, one gradient for y
                 q, k, v = kernel_module("norm_rope").qkv_rotary_train(y, self.nh, self.nkv, self.d, cos, sin)
                 return self.o_proj(attn.attend(self.layer, q, k, v).reshape(t, self.nh * self.d), lora)
-            if decode:  # rotary of q and k and the cache store in one launch, on y as it is
+            if self.fused and not training and self.q_norm is None and hasattr(attn, "attend_fused_qkv"):
+                # serving's decode attention: rotary of q and k and the cache store in one launch, on y as it is
                 codes = _norm_codes(lora, self.layer, "o_proj", y, parts=self.nh)  # from the attention's merge
                 out = attn.attend_fused_qkv(self.layer, y, self.nh, self.nkv, self.d, cos, sin, codes, late or None)
-                return self.o_proj(out.reshape(t, self.nh * self.d), lora, defer)
+                return self.o_proj(out.reshape(t, self.nh * self.d), lora)
             q, k, v = y.split([self.nh * self.d, self.nkv * self.d, self.nkv * self.d], -1)
             q, k, v = q.reshape(t, self.nh, self.d), k.reshape(t, self.nkv, self.d), v.reshape(t, self.nkv, self.d)
         else:
@@ -485,7 +478,7 @@ class SelfAttention(nn.Module):
         else:
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         out = attn.attend(self.layer, q, k, v)
-        return self.o_proj(out.reshape(t, self.nh * self.d), lora, defer)
+        return self.o_proj(out.reshape(t, self.nh * self.d), lora)
 
 
 class MLP(nn.Module):
@@ -500,9 +493,8 @@ class MLP(nn.Module):
         self.fused = False   # CausalLM.use_fused_kernels
 
     def forward(self, x, lora: LoRA | None, defer: bool = False):
-        """defer (DecoderLayer's fused path): down_proj's adapter delta may be left for the next residual add's norm
-        to add (a batch of one: SlotLoRA.defer_codes; several tokens: SlotLoRA.extended's defer): the output then
-        lacks it."""
+        """defer (a batch of one on the kernel path, DecoderLayer's defer): down_proj's adapter delta may be left
+        for the next residual add's norm to add (SlotLoRA.defer_codes): the output then lacks it."""
         if self.gate_up is not None and _grouped(lora):
             if self.gate_up[1] is None and _gemv_applies(x, self.fused):
                 ep = _gemv_lora(lora, self.layer, "gate_up", x, group=True)
@@ -512,10 +504,6 @@ class MLP(nn.Module):
                     if spec is not None:
                         return kernel_module("gemv").gemv(act, self.down_proj.weight, self.down_proj.bias, codes_out=spec)
                     return self.down_proj(act, lora)
-            glu = getattr(lora, "extended_glu", None) if self.fused else None
-            act = glu(self.layer, x) if glu is not None else None
-            if act is not None:  # several tokens with adapters: the GEMM, then delta + silu(gate) * up in one launch
-                return self.down_proj(act, lora, defer)
             y = _project_lora(x, *self.gate_up, self.fused, lora, self.layer, "gate_up", group=True)
             if self.fused:  # silu(gate) * up in one launch (and one for its backward)
                 kernels = kernel_module("norm_rope")
@@ -523,7 +511,7 @@ class MLP(nn.Module):
                     act = kernels.silu_mul_train(y, self.size, reuse_input=True)
                 else:  # over the gate half of y: a prefill step of 8k tokens holds ~0.3 GB less at 7B
                     act = kernels.silu_mul(y, self.size, inplace=True)
-                return self.down_proj(act, lora, defer)
+                return self.down_proj(act, lora)
             gate, up = y.split(self.size, -1)
         else:
             gate, up = self.gate_proj(x, lora), self.up_proj(x, lora)
@@ -551,9 +539,8 @@ class DecoderLayer(nn.Module):
             h = self.input_layernorm(x, codes)
         else:  # the previous MLP's output, with its down_proj's adapter delta if that was left to this norm
             h, x = self.input_layernorm.add_forward(x, pending, codes, _take_deferred(lora))
-        out = self.self_attn(h, cos, sin, attn, lora, defer=True)
-        h, x = self.post_attention_layernorm.add_forward(x, out, _norm_codes(lora, layer, "gate_up", x),
-                                                         _take_deferred(lora))
+        out = self.self_attn(h, cos, sin, attn, lora)
+        h, x = self.post_attention_layernorm.add_forward(x, out, _norm_codes(lora, layer, "gate_up", x))
         return x, self.mlp(h, lora, defer=True)
 
 
