@@ -263,11 +263,13 @@ with tempfile.TemporaryDirectory() as tmp:
 def test_lora_expand_compiles_for_hopper(members):
     """The expand kernel as a 7B decode step of several tokens launches it (bf16, rank 16 in slots of 16 rows, its
     warps, under dependent launch; the extended GEMM's codes) compiles for sm_90 with nothing spilled."""
+    import triton
+
     from dark.kernels import lora
 
     ints = ["N", "N1", "N2", "stride_bs", "stride_br", "stride_yt", "stride_ht", "stride_hs", "stride_hm", "stride_hp"]
     types = {**{n: "*bf16" for n in ("h_ptr", "b_ptr", "y_ptr")}, "table_ptr": "*i32", **{n: "i32" for n in ints}}
-    mb = (4 if members == 3 else members) * 16
+    mb = triton.next_power_of_2(members) * 16  # the code columns a block holds, as lora's _expand sizes them
     consts = dict(R=16, BR=16, MB=mb, SPLITS=1, BN=lora.EXPAND_BLOCK_N, TILES=3, MEMBERS=members, BT=lora.BLOCK_T,
                   SORTED=True, UPCAST=False, PDL=True)
     usage = compile_for_hopper("lora", "_expand_kernel", types, consts, num_warps=lora.EXPAND_WARPS)
@@ -286,6 +288,7 @@ def test_qkv_rotary_store_with_a_delta_compiles_for_hopper():
                   CODES_AFTER=paged_attention.ROTARY_CODES_AFTER, PDL=True)
     usage = compile_for_hopper("paged_attention", "_qkv_rotary_store_kernel", types, consts)
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0 and 0 < usage["REG"] <= 255, usage
+
 
 def test_lora_shrink_writes_each_token_row():
     """The shrink's partial codes, summed over its K-splits, are each token's own code at the token's original
