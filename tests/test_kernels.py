@@ -5,6 +5,8 @@ these are the CI checks. With CUDA the same checks run compiled; tests/test_kern
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -1022,6 +1024,67 @@ def test_skinny_matches_reference(dtype, m, n, k, bias):
         assert rel_err(out.float().cpu(), ref) < 1e-2
         assert not _workspace(w.device, n, splits)[1].any(), "a tile's counter left set"
     assert splits > 1 or k <= 1024, "the larger shapes take the split path"
+
+
+@pytest.mark.parametrize("m,t,n,k", [(8, 64, 296, 200), (3, 0, 136, 72), (0, 17, 520, 136), (16, 128, 256, 384),
+                                     (5, 40, 2000, 4096)])
+def test_dual_matches_reference(m, t, n, k):
+    """One read of the weight for a decode step's x @ W^T and the backward's g @ W equals the two torch products:
+    N and K that do not fill a tile (the copy engine's zero fill), either product alone, the most rows a call takes,
+    and a weight wide enough that each program takes several chunks of it. Given buffers are added into."""
+    from dark.kernels.dual import dual, dual_reference, plan
+
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(DEV, torch.bfloat16)
+    x = torch.randn(m, 2 * k, generator=gen).to(DEV, torch.bfloat16)[:, ::2] if m else None  # a strided view
+    g = torch.randn(t, n, generator=gen).to(DEV, torch.bfloat16) if t else None
+    ry, rdx = dual_reference(x.float() if m else torch.zeros(0, k), g.float() if t else torch.zeros(0, n), w.float())
+    y, dx = dual(x, g, w)
+    assert (y is None) == (m == 0) and (dx is None) == (t == 0)
+    if m:
+        assert y.shape == (m, n) and y.dtype == torch.float32 and rel_err(y.cpu(), ry.cpu()) < 1e-5
+    if t:
+        assert dx.shape == (t, k) and dx.dtype == torch.float32 and rel_err(dx.cpu(), rdx.cpu()) < 1e-5
+        base = torch.ones(t, k, device=DEV)
+        _, again = dual(None, g, w, dx=base)
+        assert again is base and rel_err(base.cpu() - 1, rdx.cpu()) < 1e-5, "dx is added into the given buffer"
+    if n * k > 4_000_000:
+        assert plan(n, k, 132)[0] > 1, "the wide weight takes several chunks a program"
+
+
+def test_dual_refuses_what_it_cannot_take():
+    """Bad calls of the dual product say what was wrong."""
+    from dark.kernels.dual import MAX_ROWS, dual
+
+    w = torch.zeros(64, 32, dtype=torch.bfloat16, device=DEV)
+    x = torch.zeros(2, 32, dtype=torch.bfloat16, device=DEV)
+    g = torch.zeros(3, 64, dtype=torch.bfloat16, device=DEV)
+    for call, words in [(lambda: dual(None, None, w), "x, g or both"),
+                        (lambda: dual(torch.zeros(MAX_ROWS + 1, 32, dtype=torch.bfloat16, device=DEV), g, w),
+                         f"at most {MAX_ROWS} rows"),
+                        (lambda: dual(x.float(), g, w), "x [M, K] in the weight's dtype"),
+                        (lambda: dual(x, g[:, :32], w), "g [T, N]"),
+                        (lambda: dual(x, g, w.float()), "16-bit weight"),
+                        (lambda: dual(x, g, w, y=torch.zeros(2, 64, dtype=torch.bfloat16, device=DEV)), "y"),
+                        (lambda: dual(x, g, w, dx=torch.zeros(3, 31, device=DEV)), "dx")]:
+        with pytest.raises(AssertionError, match=re.escape(words)):
+            call()
+
+
+@pytest.mark.parametrize("rows", [64, 128])
+def test_dual_compiles_for_hopper(rows):
+    """The dual kernel at its default tiling, 8 decode rows and 64 or 128 training rows, compiles for sm_90 with
+    nothing spilled."""
+    from dark.kernels import dual
+
+    ints = ["M", "T", "N", "K", "stride_x", "stride_y", "stride_dx"]
+    types = {"w_desc": f"tensordesc<bf16[{dual.BN},{dual.BK}]>", "x_ptr": "*bf16",
+             "g_desc": f"tensordesc<bf16[{rows},{dual.BN}]>", "y_ptr": "*fp32", "dx_ptr": "*fp32",
+             **{n: "i32" for n in ints}}
+    consts = dict(CHUNKS=8, BN=dual.BN, BK=dual.BK, R=16, TB=rows, HAS_X=True, HAS_G=True, STAGES=dual.STAGES,
+                  UPCAST=False, PDL=True)
+    usage = compile_for_hopper("dual", "_dual_kernel", types, consts, num_warps=dual.WARPS)
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0 and 0 < usage["REG"] <= 255, usage
 
 
 def test_skinny_takes_only_what_it_can():

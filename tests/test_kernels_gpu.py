@@ -527,6 +527,35 @@ def test_skinny_qwen_shapes(m, n, k, bias):
         assert rel_err(out.float(), ref()) < 1e-2
 
 
+@pytest.mark.parametrize("t", [16, 64, 128])
+@pytest.mark.parametrize("n,k", [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)])
+def test_dual_qwen_shapes(n, k, t):
+    """The dual product (8 decode rows and t training rows through one read of each Qwen2.5-7B projection) against
+    the two torch products, eager and replayed in a CUDA graph on new inputs (its sums zeroed in the graph)."""
+    from dark.kernels import hopper
+    from dark.kernels.dual import dual
+
+    if not hopper(torch.device("cuda")):
+        pytest.skip("the copy engine's descriptors need Hopper")
+    g = torch.Generator(device="cuda").manual_seed(n + k + t)
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
+    x = torch.randn(8, k, device="cuda", generator=g).bfloat16()
+    dy = torch.randn(t, n, device="cuda", generator=g).bfloat16()
+    y, dx = dual(x, dy, w)
+    assert rel_err(y, x.float() @ w.float().t()) < 1e-4 and rel_err(dx, dy.float() @ w.float()) < 1e-4
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y.zero_()
+        dx.zero_()
+        dual(x, dy, w, y, dx)
+    for seed in (1, 2):
+        x.copy_(torch.randn(8, k, device="cuda", generator=g.manual_seed(seed)).bfloat16())
+        dy.copy_(torch.randn(t, n, device="cuda", generator=g).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(y, x.float() @ w.float().t()) < 1e-4 and rel_err(dx, dy.float() @ w.float()) < 1e-4
+
+
 def _mlp_weights(seed: int):
     """A generator and the norm, gate/up and down_proj weights of a Qwen2.5-7B layer's MLP (random bf16)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
