@@ -73,19 +73,14 @@ class Form:
         rnd = lambda *s: torch.randn(*s, device=device, generator=g, dtype=torch.float32).to(dtype)  # noqa: E731
         lay = ws[0]
         self.x = [rnd(fwd_rows, w.shape[1]) for w in lay] if fwd_rows else None
-        self.y = [torch.empty(fwd_rows, w.shape[0], device=device, dtype=dtype) for w in lay] if fwd_rows else None
+        out = torch.float32 if dual else dtype  # the dual kernel's sums are fp32
+        self.y = [torch.zeros(fwd_rows, w.shape[0], device=device, dtype=out) for w in lay] if fwd_rows else None
         self.dy = [rnd(bwd_rows, w.shape[0]) for w in lay] if bwd_rows else None
-        self.dx = [torch.zeros(bwd_rows, w.shape[1], device=device, dtype=dtype) for w in lay] if bwd_rows else None
-        if dual:  # the kernel's fp32 sums
-            f32 = torch.float32
-            self.y = [torch.zeros(fwd_rows, w.shape[0], device=device, dtype=f32) for w in lay] if fwd_rows else None
-            self.dx = [torch.zeros(bwd_rows, w.shape[1], device=device, dtype=f32) for w in lay] if bwd_rows else None
+        self.dx = [torch.zeros(bwd_rows, w.shape[1], device=device, dtype=out) for w in lay] if bwd_rows else None
 
     def run(self):
         if self.dual:
-            from dark.models.decoder import kernel_module
-
-            dual = kernel_module("dual").dual
+            dual = kernel_module_dual().dual
         for layer in self.ws:
             for j, w in enumerate(layer):
                 if self.dual:

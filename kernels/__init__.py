@@ -87,6 +87,24 @@ def pdl(device: torch.device) -> dict:
     return {"PDL": True, "launch_pdl": True} if hopper(device) else {"PDL": False}
 
 
+_DESC: dict = {}
+
+
+def tma_descriptor(t: torch.Tensor, block: list[int]):
+    """A TMA descriptor of t's tiles of `block`, made once for a tensor's address, shape, strides and tiling (the
+    engine's weights keep their addresses, so their descriptors are made once). The bulk tensor copy engine fills
+    zeros past t's edges, so kernels need no masks on the tiles they load through it."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device), tuple(block))
+    d = _DESC.get(key)
+    if d is None:
+        if len(_DESC) > 4096:
+            _DESC.clear()
+        d = _DESC[key] = TensorDescriptor.from_tensor(t, list(block))
+    return d
+
+
 try:
     import triton
     import triton.language as tl

@@ -30,7 +30,7 @@ try:
 except ImportError:
     triton = None
 
-from . import pdl, sm_count
+from . import pdl, sm_count, tma_descriptor
 
 BN, BK, STAGES, WARPS = 128, 128, 3, 8
 PROGRAMS_PER_SM = 2
@@ -41,11 +41,10 @@ def dual_reference(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor) -> tu
     return F.linear(x, weight), g @ weight
 
 
-def plan(n: int, k: int, sms: int, bk: int | None = None, bn: int | None = None) -> tuple[int, int]:
+def plan(n: int, k: int, sms: int) -> tuple[int, int]:
     """(BN chunks a program takes, programs along N) for an [n, k] weight on a device of `sms` SMs."""
-    bk, bn = bk or BK, bn or BN
-    along_k = triton.cdiv(k, bk)
-    tiles = triton.cdiv(n, bn)
+    along_k = triton.cdiv(k, BK)
+    tiles = triton.cdiv(n, BN)
     splits = max(1, min(tiles, round(PROGRAMS_PER_SM * sms / along_k)))
     per = triton.cdiv(tiles, splits)
     return per, triton.cdiv(tiles, per)
@@ -53,23 +52,6 @@ def plan(n: int, k: int, sms: int, bk: int | None = None, bn: int | None = None)
 
 def _rows(n: int) -> int:
     return max(16, triton.next_power_of_2(max(n, 1)))
-
-
-_DESC: dict = {}
-
-
-def _descriptor(t: torch.Tensor, block: list[int]):
-    """A TMA descriptor of t's tiles of `block` (made once for a tensor's address, shape and tiling): the bulk tensor
-    copy engine fills zeros past t's edges, so the kernel needs no masks on its tiles."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device), tuple(block))
-    d = _DESC.get(key)
-    if d is None:
-        if len(_DESC) > 4096:
-            _DESC.clear()
-        d = _DESC[key] = TensorDescriptor.from_tensor(t, block)
-    return d
 
 
 def dual(x: torch.Tensor | None, g: torch.Tensor | None, weight: torch.Tensor, y: torch.Tensor | None = None,
@@ -100,8 +82,8 @@ def dual(x: torch.Tensor | None, g: torch.Tensor | None, weight: torch.Tensor, y
             "dual: dx an fp32 buffer [T, K]"
     per, splits = plan(N, K, sm_count(dev))
     tb = _rows(T)
-    w_desc = _descriptor(weight, [BN, BK])
-    g_desc = w_desc if g is None else _descriptor(g, [tb, BN])
+    w_desc = tma_descriptor(weight, [BN, BK])
+    g_desc = w_desc if g is None else tma_descriptor(g, [tb, BN])
     _dual_kernel[(triton.cdiv(K, BK), splits)](
         w_desc, weight if x is None else x, g_desc, weight if x is None else y, weight if g is None else dx,
         M, T, N, K, 0 if x is None else x.stride(0), 0 if x is None else y.stride(0),
@@ -115,9 +97,10 @@ if triton is not None:
     from . import wait_prior
 
     @triton.jit
-    def _dual_kernel(w_desc, x_ptr, g_desc, y_ptr, dx_ptr, M, T, N, K, stride_x, stride_y, stride_dx, CHUNKS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, R: tl.constexpr,
-                     TB: tl.constexpr, HAS_X: tl.constexpr, HAS_G: tl.constexpr, STAGES: tl.constexpr,
-                     UPCAST: tl.constexpr, PDL: tl.constexpr):
+    def _dual_kernel(w_desc, x_ptr, g_desc, y_ptr, dx_ptr, M, T, N, K, stride_x, stride_y, stride_dx,
+                     CHUNKS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, R: tl.constexpr, TB: tl.constexpr,
+                     HAS_X: tl.constexpr, HAS_G: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr,
+                     PDL: tl.constexpr):
         wait_prior(PDL)  # x, g and the sums' buffers may be the kernel before's
         kb = tl.program_id(0)
         part = tl.program_id(1)

@@ -30,7 +30,7 @@ try:
 except ImportError:
     triton = None
 
-from . import pdl, sm_count
+from . import pdl, sm_count, tma_descriptor
 
 BN, BK, STAGES, WARPS = 128, 128, 3, 4   # the best of five tilings at every partition size, H100 and H200 alike
 ROWS = 16                                # x's rows as the tensor cores take them (the smallest product width)
@@ -62,7 +62,6 @@ def plan(n: int, k: int, sms: int) -> tuple[int, int]:
 
 
 _WORK: dict = {}
-_DESC: dict = {}
 
 
 def _workspace(device: torch.device, n: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,18 +85,6 @@ def _workspace(device: torch.device, n: int, splits: int) -> tuple[torch.Tensor,
     return _WORK[key]
 
 
-def _descriptor(weight: torch.Tensor):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    key = (weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()), weight.dtype, str(weight.device))
-    d = _DESC.get(key)
-    if d is None:
-        if len(_DESC) > 4096:
-            _DESC.clear()
-        d = _DESC[key] = TensorDescriptor.from_tensor(weight, [BN, BK])
-    return d
-
-
 def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (2 <= M <= 16, see applies), weight [N, K], bias [N] or None -> [M, N] in x's dtype."""
     assert applies(x, weight), "skinny: 2-16 rows and a 16-bit weight with aligned rows (applies)"
@@ -110,9 +97,9 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     work, counters = _workspace(x.device, N, splits) if splits > 1 else (x, x)  # one program a tile: no sums
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     _skinny_kernel[(triton.cdiv(N, BN), splits)](
-        _descriptor(weight), x, bias if bias is not None else x, out, work, counters, M, N, K, x.stride(0),
-        out.stride(0), CHUNKS=per, SPLITS=splits, HAS_BIAS=bias is not None, BN=BN, BK=BK, R=ROWS, STAGES=STAGES,
-        UPCAST=os.environ.get("TRITON_INTERPRET") == "1", num_warps=WARPS, **pdl(x.device))
+        tma_descriptor(weight, [BN, BK]), x, bias if bias is not None else x, out, work, counters, M, N, K,
+        x.stride(0), out.stride(0), CHUNKS=per, SPLITS=splits, HAS_BIAS=bias is not None, BN=BN, BK=BK, R=ROWS,
+        STAGES=STAGES, UPCAST=os.environ.get("TRITON_INTERPRET") == "1", num_warps=WARPS, **pdl(x.device))
     return out
 
 
