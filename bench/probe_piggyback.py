@@ -166,7 +166,7 @@ def main():
     ap.add_argument("--dual-fwd", type=int, nargs="*", default=[64],
                     help="forward rows added to the decode rows in a dual form of each T (beside the plain one)")
     ap.add_argument("--dual-tilings", nargs="*", default=[],
-                    help="BN,BK,warps,stages of the dual kernel tried at T=64 beside its default")
+                    help="BN,BK,warps,stages of the dual kernel tried at T=64 (and with the --dual-fwd rows) beside its default")
     ap.add_argument("--only-dual", action="store_true", help="of the other forms only fwd 8, fwd 8+64, bwd 64")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None)
@@ -179,9 +179,24 @@ def main():
     d = a.decode_rows
     rows = []
 
+    def report(err=None):
+        out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               "layers": layers, "weight_gb": round(weight_bytes / 1e9, 3), "rows": rows}
+        if err is not None:
+            out["dual_rel_err"] = err
+        if a.out:  # after every form, so that a run cut short still leaves what it measured
+            Path(a.out).write_text(json.dumps(out, indent=1))
+
     def measure(label, fwd, bwd, paired=False, chunk_mb=0.0, carried=0, dual=False, zero=True):
-        form = Form(ws, fwd, bwd, paired, chunk_mb, device, dtype, dual=dual, zero=zero)
-        ms = time_form(form, device, a.reps)
+        try:
+            form = Form(ws, fwd, bwd, paired, chunk_mb, device, dtype, dual=dual, zero=zero)
+            ms = time_form(form, device, a.reps)
+        except Exception as e:  # a tiling the device cannot take (shared memory, registers): say so, go on
+            if not rows:
+                raise
+            rows.append({"form": label, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            print(json.dumps(rows[-1]), flush=True)
+            return
         row = {"form": label, "fwd_rows": fwd, "bwd_rows": bwd, "ms": ms,
                "weight_tb_s": round(weight_bytes / ms / 1e9, 3), "tflop_s": round(form.flops() / ms / 1e9, 1)}
         if carried:
@@ -192,6 +207,7 @@ def main():
         if carried:  # training rows a decode step carries, at this step time: tokens a second
             row["train_tok_s_carried"] = round(carried / ms * 1000, 1)
         print(json.dumps(row), flush=True)
+        report()
         del form
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -219,6 +235,8 @@ def main():
         for tiling in a.dual_tilings:
             dk.BN, dk.BK, dk.WARPS, dk.STAGES = (int(v) for v in tiling.split(","))
             measure(f"dual {d} / {t}, tiling {tiling}", d, t, carried=t, dual=True)
+            for f in a.dual_fwd:
+                measure(f"dual {d}+{f} / {t}, tiling {tiling}", d + f, t, carried=t, dual=True)
         dk.BN, dk.BK, dk.WARPS, dk.STAGES = default
         err = dual_error(ws[0], d, t, device, dtype)
         print(json.dumps({"dual_rel_err": err}), flush=True)
@@ -227,12 +245,7 @@ def main():
     if not a.only_dual:
         big = 64 if a.tiny else 4096
         measure(f"fwd {big}", big, 0)
-    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "layers": layers, "weight_gb": round(weight_bytes / 1e9, 3), "rows": rows}
-    if err is not None:
-        report["dual_rel_err"] = err
-    if a.out:
-        Path(a.out).write_text(json.dumps(report, indent=1))
+    report(err)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ from . import pdl, sm_count, tma_descriptor
 BN, BK, STAGES, WARPS = 128, 128, 3, 8
 PROGRAMS_PER_SM = 2
 MAX_ROWS = 128  # rows of x and of g a call takes (each padded to a power of two of at least 16)
+MAX_PADDED = 192  # of both together, padded: 128 and 128 spill past the 255 registers a thread has
+SHARED = 216 * 1024  # of the 227 KiB of shared memory an H100/H200 program may take, what the staged tiles may use
 
 
 def dual_reference(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,6 +50,16 @@ def plan(n: int, k: int, sms: int) -> tuple[int, int]:
     splits = max(1, min(tiles, round(PROGRAMS_PER_SM * sms / along_k)))
     per = triton.cdiv(tiles, splits)
     return per, triton.cdiv(tiles, per)
+
+
+def stages(rows_x: int, rows_g: int) -> int:
+    """Pipeline stages for padded row counts: STAGES, fewer where the staged tiles (W's and g's each stage, and x)
+    would not fit in an SM's shared memory (128 rows of each at 3 stages take 240 KiB)."""
+    per = (BN * BK + rows_g * BN) * 2
+    s = STAGES
+    while s > 1 and s * per + rows_x * BK * 2 > SHARED:
+        s -= 1
+    return s
 
 
 def _rows(n: int) -> int:
@@ -68,6 +80,8 @@ def dual(x: torch.Tensor | None, g: torch.Tensor | None, weight: torch.Tensor, y
     M = 0 if x is None else x.shape[0]
     T = 0 if g is None else g.shape[0]
     assert M <= MAX_ROWS and T <= MAX_ROWS, f"dual: at most {MAX_ROWS} rows of x and of g, not {M} and {T}"
+    assert (M == 0 or T == 0) or _rows(M) + _rows(T) <= MAX_PADDED, \
+        f"dual: {M} rows of x and {T} of g pad to more than {MAX_PADDED} together"
     assert x is None or (x.shape[1] == K and x.dtype == weight.dtype), "dual: x [M, K] in the weight's dtype"
     assert g is None or (g.shape[1] == N and g.dtype == weight.dtype), "dual: g [T, N] in the weight's dtype"
     dev = weight.device
@@ -81,15 +95,15 @@ def dual(x: torch.Tensor | None, g: torch.Tensor | None, weight: torch.Tensor, y
         assert dx.shape == (T, K) and dx.dtype == torch.float32 and dx.stride(1) == 1, \
             "dual: dx an fp32 buffer [T, K]"
     per, splits = plan(N, K, sm_count(dev))
-    tb = _rows(T)
+    r, tb = _rows(M), _rows(T)
     w_desc = tma_descriptor(weight, [BN, BK])
     g_desc = w_desc if g is None else tma_descriptor(g, [tb, BN])
     _dual_kernel[(triton.cdiv(K, BK), splits)](
         w_desc, weight if x is None else x, g_desc, weight if x is None else y, weight if g is None else dx,
         M, T, N, K, 0 if x is None else x.stride(0), 0 if x is None else y.stride(0),
         0 if g is None else dx.stride(0),
-        CHUNKS=per, BN=BN, BK=BK, R=_rows(M), TB=tb, HAS_X=x is not None, HAS_G=g is not None,
-        STAGES=STAGES, UPCAST=os.environ.get("TRITON_INTERPRET") == "1", num_warps=WARPS, **pdl(dev))
+        CHUNKS=per, BN=BN, BK=BK, R=r, TB=tb, HAS_X=x is not None, HAS_G=g is not None,
+        STAGES=stages(r, tb if g is not None else 0), UPCAST=os.environ.get("TRITON_INTERPRET") == "1", num_warps=WARPS, **pdl(dev))
     return (y if x is not None else None), (dx if g is not None else None)
 
 

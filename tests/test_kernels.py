@@ -229,7 +229,8 @@ def compile_for_hopper(module: str, kernel: str, types: dict, constants: dict, n
     compiler and the ptxas it ships, in a process of its own without TRITON_INTERPRET (under it @triton.jit makes
     interpreted functions, which do not compile). The interpreter runs a kernel as Python, so code the compiler
     refuses (a name bound in only one branch of an `if`, say) passes there; this catches it. Returns the
-    cubin's resource usage (REG, STACK, LOCAL, SHARED, ...)."""
+    cubin's resource usage (REG, STACK, LOCAL, SHARED, ...) and the dynamic shared memory a launch asks for
+    (DYNAMIC_SHARED, bytes)."""
     import json
     import os
     import subprocess
@@ -252,12 +253,15 @@ with tempfile.TemporaryDirectory() as tmp:
     open(path, "wb").write(out.asm["cubin"])
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     print(subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout)
+print("Function DYNAMIC_SHARED:" + str(out.metadata.shared))
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", script, json.dumps(types), json.dumps(constants)], env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    fields = dict(kv.split(":", 1) for kv in run.stdout.split("Function")[-1].split() if ":" in kv)
+    fields = {}
+    for part in run.stdout.split("Function")[-2:]:
+        fields.update(kv.split(":", 1) for kv in part.split() if ":" in kv)
     return {k: int(v) for k, v in fields.items() if v.isdigit()}
 
 
@@ -1027,6 +1031,7 @@ def test_skinny_matches_reference(dtype, m, n, k, bias):
 
 
 @pytest.mark.parametrize("m,t,n,k", [(8, 64, 296, 200), (3, 0, 136, 72), (0, 17, 520, 136), (16, 128, 256, 384),
+                                     (72, 64, 200, 136),
                                      (5, 40, 2000, 4096)])
 def test_dual_matches_reference(m, t, n, k):
     """One read of the weight for a decode step's x @ W^T and the backward's g @ W equals the two torch products:
@@ -1038,7 +1043,8 @@ def test_dual_matches_reference(m, t, n, k):
     w = (torch.randn(n, k, generator=gen) * 0.05).to(DEV, torch.bfloat16)
     x = torch.randn(m, 2 * k, generator=gen).to(DEV, torch.bfloat16)[:, ::2] if m else None  # a strided view
     g = torch.randn(t, n, generator=gen).to(DEV, torch.bfloat16) if t else None
-    ry, rdx = dual_reference(x.float() if m else torch.zeros(0, k), g.float() if t else torch.zeros(0, n), w.float())
+    ry, rdx = dual_reference(x.float() if m else torch.zeros(0, k, device=DEV),
+                             g.float() if t else torch.zeros(0, n, device=DEV), w.float())
     y, dx = dual(x, g, w)
     assert (y is None) == (m == 0) and (dx is None) == (t == 0)
     if m:
@@ -1062,6 +1068,9 @@ def test_dual_refuses_what_it_cannot_take():
     for call, words in [(lambda: dual(None, None, w), "x, g or both"),
                         (lambda: dual(torch.zeros(MAX_ROWS + 1, 32, dtype=torch.bfloat16, device=DEV), g, w),
                          f"at most {MAX_ROWS} rows"),
+                        (lambda: dual(torch.zeros(65, 32, dtype=torch.bfloat16, device=DEV),
+                                      torch.zeros(65, 64, dtype=torch.bfloat16, device=DEV), w),
+                         "pad to more than 192 together"),
                         (lambda: dual(x.float(), g, w), "x [M, K] in the weight's dtype"),
                         (lambda: dual(x, g[:, :32], w), "g [T, N]"),
                         (lambda: dual(x, g, w.float()), "16-bit weight"),
@@ -1071,20 +1080,24 @@ def test_dual_refuses_what_it_cannot_take():
             call()
 
 
-@pytest.mark.parametrize("rows", [64, 128])
-def test_dual_compiles_for_hopper(rows):
-    """The dual kernel at its default tiling, 8 decode rows and 64 or 128 training rows, compiles for sm_90 with
-    nothing spilled."""
+@pytest.mark.parametrize("r,rows", [(16, 64), (16, 128), (128, 64)])
+def test_dual_compiles_for_hopper(r, rows):
+    """The dual kernel at its default tiling, 8 (or 72, padded to 128) decode rows and 64 or 128 training rows,
+    compiles for sm_90 with nothing spilled, at the stages stages() gives, in the shared memory an H100 or H200
+    program may take (232448 bytes; 128 and 128 rows at 3 stages asked for 245816 and failed on an H100, and at
+    2 stages spill, which is why dual() refuses them)."""
     from dark.kernels import dual
 
     ints = ["M", "T", "N", "K", "stride_x", "stride_y", "stride_dx"]
     types = {"w_desc": f"tensordesc<bf16[{dual.BN},{dual.BK}]>", "x_ptr": "*bf16",
              "g_desc": f"tensordesc<bf16[{rows},{dual.BN}]>", "y_ptr": "*fp32", "dx_ptr": "*fp32",
              **{n: "i32" for n in ints}}
-    consts = dict(CHUNKS=8, BN=dual.BN, BK=dual.BK, R=16, TB=rows, HAS_X=True, HAS_G=True, STAGES=dual.STAGES,
-                  UPCAST=False, PDL=True)
+    consts = dict(CHUNKS=8, BN=dual.BN, BK=dual.BK, R=r, TB=rows, HAS_X=True, HAS_G=True,
+                  STAGES=dual.stages(r, rows), UPCAST=False, PDL=True)
     usage = compile_for_hopper("dual", "_dual_kernel", types, consts, num_warps=dual.WARPS)
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0 and 0 < usage["REG"] <= 255, usage
+    assert 0 < usage["DYNAMIC_SHARED"] <= 232448, usage
+    assert dual.stages(16, 64) == dual.STAGES, "the step decode takes keeps its full pipeline"
 
 
 def test_skinny_takes_only_what_it_can():
