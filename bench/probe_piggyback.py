@@ -166,7 +166,8 @@ def main():
     ap.add_argument("--dual-fwd", type=int, nargs="*", default=[64],
                     help="forward rows added to the decode rows in a dual form of each T (beside the plain one)")
     ap.add_argument("--dual-tilings", nargs="*", default=[],
-                    help="BN,BK,warps,stages of the dual kernel tried at T=64 (and with the --dual-fwd rows) beside its default")
+                    help="BN,BK,warps,stages of the dual kernel tried at T=64 (and with the --dual-fwd rows) beside "
+                         "its default; one the device cannot take is recorded as an error")
     ap.add_argument("--only-dual", action="store_true", help="of the other forms only fwd 8, fwd 8+64, bwd 64")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None)

@@ -103,7 +103,8 @@ def dual(x: torch.Tensor | None, g: torch.Tensor | None, weight: torch.Tensor, y
         M, T, N, K, 0 if x is None else x.stride(0), 0 if x is None else y.stride(0),
         0 if g is None else dx.stride(0),
         CHUNKS=per, BN=BN, BK=BK, R=r, TB=tb, HAS_X=x is not None, HAS_G=g is not None,
-        STAGES=stages(r, tb if g is not None else 0), UPCAST=os.environ.get("TRITON_INTERPRET") == "1", num_warps=WARPS, **pdl(dev))
+        STAGES=stages(r, tb if g is not None else 0), UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=WARPS, **pdl(dev))
     return (y if x is not None else None), (dx if g is not None else None)
 
 
