@@ -90,12 +90,15 @@ def pdl(device: torch.device) -> dict:
 _DESC: dict = {}
 
 
-def tma_descriptor(t: torch.Tensor, block: list[int]):
-    """A TMA descriptor of t's tiles of `block`, made once for a tensor's address, shape, strides and tiling (the
-    engine's weights keep their addresses, so their descriptors are made once). The bulk tensor copy engine fills
-    zeros past t's edges, so kernels need no masks on the tiles they load through it."""
+def tma_descriptor(t: torch.Tensor, block: list[int], cached: bool = True):
+    """A TMA descriptor of t's tiles of `block`. The bulk tensor copy engine fills zeros past t's edges, so kernels
+    need no masks on the tiles they load through it. Cached (the default) it is made once for a tensor's address,
+    shape, strides and tiling, and the cache keeps the tensor alive: for the engine's weights, which keep their
+    addresses. A tensor made for one call (a gradient, a contiguous copy) takes cached=False."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    if not cached:
+        return TensorDescriptor.from_tensor(t, list(block))
     key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device), tuple(block))
     d = _DESC.get(key)
     if d is None:

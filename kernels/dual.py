@@ -97,7 +97,7 @@ def dual(x: torch.Tensor | None, g: torch.Tensor | None, weight: torch.Tensor, y
     per, splits = plan(N, K, sm_count(dev))
     r, tb = _rows(M), _rows(T)
     w_desc = tma_descriptor(weight, [BN, BK])
-    g_desc = w_desc if g is None else tma_descriptor(g, [tb, BN])
+    g_desc = w_desc if g is None else tma_descriptor(g, [tb, BN], cached=False)  # g is new each step
     _dual_kernel[(triton.cdiv(K, BK), splits)](
         w_desc, weight if x is None else x, g_desc, weight if x is None else y, weight if g is None else dx,
         M, T, N, K, 0 if x is None else x.stride(0), 0 if x is None else y.stride(0),

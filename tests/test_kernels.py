@@ -1058,6 +1058,23 @@ def test_dual_matches_reference(m, t, n, k):
         assert plan(n, k, 132)[0] > 1, "the wide weight takes several chunks a program"
 
 
+def test_dual_keeps_no_gradient_alive():
+    """A call's g (new each training step) is not held after the call: only the weight's descriptor is cached, since
+    a cached descriptor keeps its tensor alive (4096 held gradients of a 7B gate/up would be 20 GB)."""
+    import gc
+    import weakref
+
+    from dark.kernels.dual import dual
+
+    w = torch.randn(64, 32).to(DEV, torch.bfloat16)
+    g = torch.randn(3, 64).to(DEV, torch.bfloat16)
+    alive = weakref.ref(g)
+    dual(None, g, w)
+    del g
+    gc.collect()
+    assert alive() is None, "the gradient outlived its call"
+
+
 def test_dual_refuses_what_it_cannot_take():
     """Bad calls of the dual product say what was wrong."""
     from dark.kernels.dual import MAX_ROWS, dual
