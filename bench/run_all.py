@@ -387,22 +387,29 @@ def dark_parts(run: Run, llm) -> None:
                     "first_step_ms_solo": statistics.median(first["solo"]) if first["solo"] else None,
                     "first_step_ms_during": statistics.median(first["while_training"]) if first["while_training"] else None}
 
+        def redo_graphs() -> None:  # graphs captured under another setting would replay its kernels
+            eng.call_between_steps(eng.runner._drop_graphs).result()
+
         for n in a.train_sms:
             for split in (default, "1" if default == "0" else "0") if a.split_ab else (default,):
-                with env_setting(f"DARK_SPLIT_SMS={split}"):
-                    learner.set_train_sms(n)
-                    key = n if split == default else f"{n}-{'split' if split == '1' else 'unsplit'}"
-                    by_sms[key] = {**measured(), "green_context": learner._green is not None,
-                                   "partition": repr(learner._green)}
-                print(json.dumps({"train_sms": key, **by_sms[key]}), flush=True)
-                run.report["details"]["during_training_by_sms"] = by_sms
-                if key == a.train_sms[0]:
-                    run.fig("decode_p99_ratio_during_training", by_sms[key]["p99_ratio"])
-                    run.fig("train_ratio_during_decode", by_sms[key]["train_ratio"])
-                    for spec in a.during_ab:  # the same, with an environment setting changed (the trainer's knobs)
-                        with env_setting(spec):
-                            by_sms[f"{n}-{spec}"] = measured()
-                        print(json.dumps({"train_sms": f"{n}-{spec}", **by_sms[f"{n}-{spec}"]}), flush=True)
+                for spec in [""] + list(a.during_ab):  # "": as set; else the same with an environment setting
+                    with env_setting(f"DARK_SPLIT_SMS={split}" + ("," + spec if spec else "")):
+                        if spec:
+                            redo_graphs()
+                        learner.set_train_sms(n)
+                        key = n if split == default else f"{n}-{'split' if split == '1' else 'unsplit'}"
+                        key = f"{key}-{spec}" if spec else key
+                        try:
+                            by_sms[key] = {**measured(), "green_context": learner._green is not None,
+                                           "partition": repr(learner._green)}
+                        finally:
+                            if spec:
+                                redo_graphs()
+                    print(json.dumps({"train_sms": key, **by_sms[key]}), flush=True)
+                    run.report["details"]["during_training_by_sms"] = by_sms
+                    if key == a.train_sms[0]:
+                        run.fig("decode_p99_ratio_during_training", by_sms[key]["p99_ratio"])
+                        run.fig("train_ratio_during_decode", by_sms[key]["train_ratio"])
         learner.set_train_sms(llm.engine.config.train_sms)
     run.part("decode_during_training", during)
 
@@ -558,8 +565,8 @@ def main() -> None:
                     help="run only these dark parts (decode_bs1 multi_adapter offline train decode_during_training "
                          "correction train_no_checkpoint; default all; no memory line then)")
     ap.add_argument("--during-ab", nargs="*", default=[], metavar="ENV=VALUE",
-                    help="decode during training again with each of these environment settings (first --train-sms; "
-                         "A=1,B=2 sets two at once)")
+                    help="decode during training again with each of these environment settings, at every --train-sms "
+                         "(and --split-ab) setting, its graphs captured anew (A=1,B=2 sets two at once)")
     ap.add_argument("--lora-variants", action="store_true",
                     help="also time the adapter lines with the other LoRA decode kernels (fused <-> shrink + expand)")
     sizes = {"repeats": 2, "prompt_len": 128, "bs1_tokens": 128, "adapters": 32, "multi_batch": 64, "multi_tokens": 64,
