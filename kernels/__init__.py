@@ -56,6 +56,28 @@ _scope = threading.local()
 
 
 @contextlib.contextmanager
+def sm_budget(sms: int | None):
+    """Within this block (on this thread), kernels that size their grids by the SMs they run on (launch_sms) take
+    `sms`: the engine's decode steps in serving's partition of the SMs (dark.engine.green) while a learn job has
+    the others, where a grid made for every SM would put twice the programs an SM it was tuned for. None: the
+    device's own count."""
+    if sms is not None and sms < 1:
+        raise ValueError(f"an SM budget must be at least 1, got {sms}")
+    before = getattr(_scope, "sms", None)
+    _scope.sms = sms
+    try:
+        yield
+    finally:
+        _scope.sms = before
+
+
+def launch_sms(device: torch.device) -> int:
+    """The SMs a kernel launched now on `device` may count on: the sm_budget in force, else sm_count(device)."""
+    budget = getattr(_scope, "sms", None)
+    return budget if budget is not None else sm_count(device)
+
+
+@contextlib.contextmanager
 def dependent_launch(on: bool = True):
     """Within this block (on this thread), the forward kernels launch with programmatic dependent launch where
     the device has it (see pdl). The engine's decode steps run in it, their CUDA-graph captures and the warm-up

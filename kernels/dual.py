@@ -30,7 +30,7 @@ try:
 except ImportError:
     triton = None
 
-from . import pdl, sm_count, tma_descriptor
+from . import launch_sms, pdl, tma_descriptor
 
 BN, BK, STAGES, WARPS = 128, 128, 3, 8
 PROGRAMS_PER_SM = 2
@@ -94,7 +94,7 @@ def dual(x: torch.Tensor | None, g: torch.Tensor | None, weight: torch.Tensor, y
         dx = torch.zeros(T, K, device=dev, dtype=torch.float32) if dx is None else dx
         assert dx.shape == (T, K) and dx.dtype == torch.float32 and dx.stride(1) == 1, \
             "dual: dx an fp32 buffer [T, K]"
-    per, splits = plan(N, K, sm_count(dev))
+    per, splits = plan(N, K, launch_sms(dev))
     r, tb = _rows(M), _rows(T)
     w_desc = tma_descriptor(weight, [BN, BK])
     g_desc = w_desc if g is None else tma_descriptor(g, [tb, BN], cached=False)  # g is new each step

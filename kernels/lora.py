@@ -53,7 +53,7 @@ import os
 
 import torch
 
-from . import pdl, sm_count
+from . import launch_sms, pdl
 
 try:
     import triton
@@ -406,7 +406,7 @@ def lora_fused(x, y, A, B, token_slots, rank: int, splits=None, stride: int = 0,
     n_tiles = triton.cdiv(N, block_n)
     if tiles is None:
         per_row = min(BLOCK_T, triton.cdiv(T, rows))
-        _, tiles = _fused_grid(rows, per_row, K, N, block_n, rank, members, x.element_size(), sm_count(x.device),
+        _, tiles = _fused_grid(rows, per_row, K, N, block_n, rank, members, x.element_size(), launch_sms(x.device),
                                FUSED_L2_PROGRAMS)
     tiles = max(1, min(tiles, n_tiles))
     _fused_kernel[(rows, triton.cdiv(n_tiles, tiles))](

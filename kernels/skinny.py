@@ -30,7 +30,7 @@ try:
 except ImportError:
     triton = None
 
-from . import pdl, sm_count, tma_descriptor
+from . import launch_sms, pdl, tma_descriptor
 
 BN, BK, STAGES, WARPS = 128, 128, 3, 4   # the best of five tilings at every partition size, H100 and H200 alike
 ROWS = 16                                # x's rows as the tensor cores take them (the smallest product width)
@@ -93,7 +93,7 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x = x.contiguous()
     M, K = x.shape
     N = weight.shape[0]
-    per, splits = plan(N, K, sm_count(x.device))
+    per, splits = plan(N, K, launch_sms(x.device))
     work, counters = _workspace(x.device, N, splits) if splits > 1 else (x, x)  # one program a tile: no sums
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     _skinny_kernel[(triton.cdiv(N, BN), splits)](

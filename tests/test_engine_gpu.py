@@ -226,12 +226,15 @@ def test_decoding_in_a_partition_while_learning_gives_the_same_tokens(tiny_model
         first = llm.generate(PROMPTS[:3], max_tokens=12)
         serve, _ = split(torch.device(CUDA), 16)
         used = []
-        engine.serve_in_partition(serve.stream, lambda: used.append(torch.cuda.current_stream()) or True)
+        engine.serve_in_partition(serve.stream, lambda: used.append(torch.cuda.current_stream()) or True,
+                                  sms=serve.sms)
+        assert engine.runner.partition_sms == serve.sms  # kernels sizing grids by SMs plan for the partition's
         assert llm.generate(PROMPTS[:3], max_tokens=12) == first
         assert used and engine.runner._replay_stream == serve.stream
         # captured again on the partition's stream (a graph's kernels run on the SMs it was captured on)
         assert any(key[-1] == serve.stream.cuda_stream for key in engine.runner._graphs)
         engine.serve_in_partition(None)
+        assert engine.runner.partition_sms is None
         assert llm.generate(PROMPTS[:3], max_tokens=12) == first
         assert engine.runner._replay_stream == engine.stream
 

@@ -1030,6 +1030,40 @@ def test_skinny_matches_reference(dtype, m, n, k, bias):
     assert splits > 1 or k <= 1024, "the larger shapes take the split path"
 
 
+def test_skinny_plans_its_grid_for_the_sm_budget_in_force():
+    """Inside sm_budget(n) (serving's partition of the SMs) the skinny product splits K for n SMs, not the device's:
+    fewer programs, the same result; the budget is this thread's alone, nests, and ends with its block."""
+    import threading
+
+    from dark.kernels import launch_sms, sm_budget, sm_count
+    from dark.kernels.skinny import _WORK, plan, skinny, skinny_reference
+
+    n, k = 300, 4096
+    whole = sm_count(torch.device(DEV))
+    assert plan(n, k, 4)[1] < plan(n, k, whole)[1], "the shape must split differently on 4 SMs"
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(4, k, generator=g).to(DEV, torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(DEV, torch.bfloat16)
+    ref = skinny_reference(x.float(), w.float()).cpu()
+    seen = []
+    with sm_budget(4):
+        assert launch_sms(DEV) == 4
+        worker = threading.Thread(target=lambda: seen.append(launch_sms(DEV)))
+        worker.start()
+        worker.join()
+        with sm_budget(None):
+            assert launch_sms(DEV) == whole
+        assert launch_sms(DEV) == 4
+        _WORK.clear()
+        out = skinny(x, w)
+    assert seen == [whole] and launch_sms(DEV) == whole
+    assert rel_err(out.float().cpu(), ref) < 1e-2
+    assert {key[-1] for key in _WORK} == {plan(n, k, 4)[1]}, "the call took the workspace of the budget's split"
+    with pytest.raises(ValueError, match="at least 1"):
+        with sm_budget(0):
+            pass
+
+
 @pytest.mark.parametrize("m,t,n,k", [(8, 64, 296, 200), (3, 0, 136, 72), (0, 17, 520, 136), (16, 128, 256, 384),
                                      (72, 64, 200, 136),
                                      (5, 40, 2000, 4096)])

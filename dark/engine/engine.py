@@ -148,12 +148,15 @@ class Engine:
             except BaseException as e:  # handed to the caller, who decides
                 fut.set_exception(e)
 
-    def serve_in_partition(self, stream: torch.cuda.Stream | None, active: Callable[[], bool] = lambda: True) -> None:
+    def serve_in_partition(self, stream: torch.cuda.Stream | None, active: Callable[[], bool] = lambda: True,
+                           sms: int | None = None) -> None:
         """Run steps on `stream` (a partition of the SMs, dark.engine.green) while active() holds, so that their
         kernels never wait for an SM a training step holds; on the engine's own stream (every SM) otherwise and
-        when `stream` is None."""
+        when `stream` is None. sms: the partition's SMs, which kernels sizing their grids by SMs then plan for
+        (dark.kernels.sm_budget; None: the device's count)."""
         self._partition = None if stream is None else (stream, active)
         self.runner.partition = stream
+        self.runner.partition_sms = sms if stream is not None else None
 
     def _pick_stream(self) -> None:
         part = self._partition

@@ -42,6 +42,7 @@ class ModelRunner:
         # a stream of a partition of the SMs (dark.engine.green) that steps may run on: graphs replayed there are
         # captured there, since a graph's kernels run where they were captured, whatever stream replays them
         self.partition: torch.cuda.Stream | None = None
+        self.partition_sms: int | None = None  # its SMs: the kernels that size their grids by SMs plan for these
         self._pool = None
         self.fast_steps = 0  # decode steps that took the fast path
         # launch the next decode step before this one's tokens are back: "graphs" where decode steps are CUDA
@@ -148,7 +149,10 @@ class ModelRunner:
         meta = self._meta_dev[:, :rows]
         attn = PagedDecodeAttention(self.cache, meta[_SLOT], self._bt_dev[:rows], meta[_CTX])
         lora = SlotLoRA.with_kernels(self.slots, meta[_LORA]) if with_lora else None
-        with kernel_module().dependent_launch():  # each kernel overlaps the tail of the one before (Hopper)
+        kernels = kernel_module()
+        confined = self.partition is not None and torch.cuda.current_stream(self.device) == self.partition
+        # each kernel overlaps the tail of the one before (Hopper); in serving's partition, grids for its SMs
+        with kernels.dependent_launch(), kernels.sm_budget(self.partition_sms if confined else None):
             hidden = self.model.hidden_states(meta[_IDS], meta[_POS], attn, lora)
             out = self._logits[:rows]
             out.copy_(self.model.lm_head(hidden, lora))

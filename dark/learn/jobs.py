@@ -191,7 +191,7 @@ class Learner:
             self._green = train
             trainer.shared_stream = train.stream
             trainer.serving_busy = engine.scheduler.has_work
-            engine.serve_in_partition(serve.stream, lambda: trainer.training > 0)
+            engine.serve_in_partition(serve.stream, lambda: trainer.training > 0, sms=serve.sms)
             return
         self._green, stream = training_stream(engine.device, sms)
         if self._green is not None:
