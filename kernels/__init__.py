@@ -56,6 +56,17 @@ _scope = threading.local()
 
 
 @contextlib.contextmanager
+def _scoped(name: str, value):
+    """This thread's launch setting `name` is `value` within the block, as it was after."""
+    before = getattr(_scope, name, None)
+    setattr(_scope, name, value)
+    try:
+        yield
+    finally:
+        setattr(_scope, name, before)
+
+
+@contextlib.contextmanager
 def sm_budget(sms: int | None):
     """Within this block (on this thread), kernels that size their grids by the SMs they run on (launch_sms) take
     `sms`: the engine's decode steps in serving's partition of the SMs (dark.engine.green) while a learn job has
@@ -63,12 +74,8 @@ def sm_budget(sms: int | None):
     device's own count."""
     if sms is not None and sms < 1:
         raise ValueError(f"an SM budget must be at least 1, got {sms}")
-    before = getattr(_scope, "sms", None)
-    _scope.sms = sms
-    try:
+    with _scoped("sms", sms):
         yield
-    finally:
-        _scope.sms = before
 
 
 def launch_sms(device: torch.device) -> int:
@@ -82,12 +89,8 @@ def dependent_launch(on: bool = True):
     """Within this block (on this thread), the forward kernels launch with programmatic dependent launch where
     the device has it (see pdl). The engine's decode steps run in it, their CUDA-graph captures and the warm-up
     before them alike (so the kernels are compiled before the capture)."""
-    before = getattr(_scope, "on", False)
-    _scope.on = on
-    try:
+    with _scoped("on", on):
         yield
-    finally:
-        _scope.on = before
 
 
 def pdl(device: torch.device) -> dict:
