@@ -85,6 +85,12 @@ class ModelRunner:
 
         Returns {sequence id: (token, its log-probability or None)}.
         """
+        confined = self.partition is not None and torch.cuda.current_stream(self.device) == self.partition
+        # on serving's partition of the SMs, kernels that size their grids by SMs plan for its SMs alone
+        with kernel_module().sm_budget(self.partition_sms if confined else None):
+            return self._run(batch, ahead)
+
+    def _run(self, batch: list[tuple[Sequence, int]], ahead: bool) -> dict[int, tuple[int, float | None]]:
         if self.fast_decode and all(n == 1 and seq.num_computed + 1 == len(seq) for seq, n in batch):
             return self._run_decode(batch, ahead)
         self._ahead = None
@@ -149,10 +155,7 @@ class ModelRunner:
         meta = self._meta_dev[:, :rows]
         attn = PagedDecodeAttention(self.cache, meta[_SLOT], self._bt_dev[:rows], meta[_CTX])
         lora = SlotLoRA.with_kernels(self.slots, meta[_LORA]) if with_lora else None
-        kernels = kernel_module()
-        confined = self.partition is not None and torch.cuda.current_stream(self.device) == self.partition
-        # each kernel overlaps the tail of the one before (Hopper); in serving's partition, grids for its SMs
-        with kernels.dependent_launch(), kernels.sm_budget(self.partition_sms if confined else None):
+        with kernel_module().dependent_launch():  # each kernel overlaps the tail of the one before (Hopper)
             hidden = self.model.hidden_states(meta[_IDS], meta[_POS], attn, lora)
             out = self._logits[:rows]
             out.copy_(self.model.lm_head(hidden, lora))
