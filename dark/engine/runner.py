@@ -85,9 +85,10 @@ class ModelRunner:
 
         Returns {sequence id: (token, its log-probability or None)}.
         """
-        confined = self.partition is not None and torch.cuda.current_stream(self.device) == self.partition
+        if self.partition is None or torch.cuda.current_stream(self.device) != self.partition:
+            return self._run(batch, ahead)
         # on serving's partition of the SMs, kernels that size their grids by SMs plan for its SMs alone
-        with kernel_module().sm_budget(self.partition_sms if confined else None):
+        with kernel_module().sm_budget(self.partition_sms):
             return self._run(batch, ahead)
 
     def _run(self, batch: list[tuple[Sequence, int]], ahead: bool) -> dict[int, tuple[int, float | None]]:
